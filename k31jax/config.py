@@ -1,0 +1,374 @@
+"""The k31jax model configuration: one frozen dataclass, read from the release `config.json`.
+
+`ModelConfig.from_hf(path_or_dict)` accepts the multimodal release wrapper (`text_config`
+nested inside), a bare `text_config`, or a re-saved Kimi Linear config. Layer lists in the
+file are 1-indexed; `layer_types` here is 0-indexed (spec architecture.md §1-§2).
+
+Presets live as release-format JSON files in `configs/` and are loaded by name with
+`ModelConfig.preset(name)` (`k3`, `k31_pro`, `kimi_linear_48b`, `tiny`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+LayerType = Literal["kda", "mla"]
+
+_INDEX_KEYS = ("index_topk", "index_n_heads", "index_head_dim")
+_LINEAR_ATTN_KEYS = frozenset(
+    {"full_attn_layers", "kda_layers", "head_dim", "num_heads", "short_conv_kernel_size",
+     "gate_lower_bound", "use_full_rank_gate", "head_k_dim", "head_v_dim"}
+)
+_LAYER_TYPE_ALIASES = {"kda": "kda", "linear_attention": "kda", "mla": "mla",
+                       "full_attention": "mla"}
+
+
+class ConfigError(ValueError):
+    """A config that k31jax cannot build a model from; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Text-model hyper-parameters. HF field names wherever HF has a flat field."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[LayerType, ...]
+    rms_norm_eps: float = 1e-5
+    # FFN activation: "situ" (SiTU-GLU) or "silu" (SwiGLU).
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    intermediate_size: int = 0
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    # Gated NoPE MLA.
+    num_attention_heads: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_use_output_gate: bool = True
+    # Kimi Delta Attention.
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv_size: int = 4
+    kda_gate_lower_bound: float | None = -5.0
+    kda_full_rank_gate: bool = True
+    kda_a_log_len: int = 0
+    kda_chunk_size: int = 64
+    # K3.1 Gated DSA lightning indexer (None: dense gated MLA).
+    index_topk: int | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    # Mixture of experts.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = True
+    moe_renormalize: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    routed_scaling_factor: float = 1.0
+    num_expert_group: int = 1
+    topk_group: int = 1
+    # Depth mixing: Block AttnRes block size, or None for plain pre-norm residuals.
+    attn_res_block_size: int | None = 12
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 1 << 20
+    initializer_range: float = 0.02
+    # Storage dtype of the non-f32 parameters and the activation dtype.
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "kda")
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "mla")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i))
+
+    @property
+    def latent_moe(self) -> bool:
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def expert_in_dim(self) -> int:
+        """Width the routed experts read and write: the latent ℓ, or D without a latent."""
+        return self.routed_expert_hidden_size if self.latent_moe else self.hidden_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def use_indexer(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def use_attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def num_attn_res_slots(self) -> int:
+        """Snapshots pushed over the whole stack (at layers 0, S, 2S, ...)."""
+        return math.ceil(self.num_hidden_layers / self.attn_res_block_size) if self.use_attn_res else 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def fail(field: str, msg: str):
+            raise ConfigError(f"ModelConfig.{field}: {msg}")
+
+        if len(self.layer_types) != self.num_hidden_layers:
+            fail("layer_types", f"has {len(self.layer_types)} entries, expected "
+                 f"num_hidden_layers={self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in ("kda", "mla")]
+        if bad:
+            fail("layer_types", f"unknown layer types {sorted(set(bad))}, expected 'kda' or 'mla'")
+        if self.hidden_act not in ("situ", "silu"):
+            fail("hidden_act", f"{self.hidden_act!r}, expected 'situ' or 'silu'")
+        if self.moe_router_activation_func not in ("sigmoid", "softmax"):
+            fail("moe_router_activation_func", f"{self.moe_router_activation_func!r}, "
+                 "expected 'sigmoid' or 'softmax'")
+        if self.kda_layers:
+            for f in ("kda_num_heads", "kda_head_dim", "kda_conv_size"):
+                if getattr(self, f) <= 0:
+                    fail(f, f"must be > 0 when the schedule has KDA layers, got {getattr(self, f)}")
+            if self.kda_a_log_len < self.kda_num_heads:
+                fail("kda_a_log_len", f"{self.kda_a_log_len} < kda_num_heads={self.kda_num_heads}: "
+                     "A_log holds one scalar per head")
+            if self.kda_chunk_size <= 0:
+                fail("kda_chunk_size", f"must be > 0, got {self.kda_chunk_size}")
+        if self.mla_layers:
+            for f in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, f) <= 0:
+                    fail(f, f"must be > 0 when the schedule has MLA layers, got {getattr(self, f)}")
+        if self.use_indexer:
+            if self.index_topk <= 0:
+                fail("index_topk", f"must be a positive int or None, got {self.index_topk}")
+            if self.index_n_heads <= 0 or self.index_head_dim <= 0:
+                fail("index_n_heads", "index_n_heads and index_head_dim must be > 0 with "
+                     f"index_topk set, got {self.index_n_heads} and {self.index_head_dim}")
+            if self.q_lora_rank is None:
+                fail("q_lora_rank", "the lightning indexer reads the MLA q-latent, so it needs "
+                     "q_lora_rank; got None")
+        if self.moe_layers:
+            if not 0 < self.num_experts_per_token <= self.num_experts:
+                fail("num_experts_per_token", f"{self.num_experts_per_token}, expected 1.."
+                     f"num_experts={self.num_experts}")
+            if self.num_experts % self.num_expert_group:
+                fail("num_expert_group", f"{self.num_expert_group} does not divide "
+                     f"num_experts={self.num_experts}")
+            if self.topk_group > self.num_expert_group:
+                fail("topk_group", f"{self.topk_group} > num_expert_group={self.num_expert_group}")
+            if self.moe_intermediate_size <= 0:
+                fail("moe_intermediate_size", f"must be > 0, got {self.moe_intermediate_size}")
+        if self.dense_layers and self.intermediate_size <= 0:
+            fail("intermediate_size", f"must be > 0 for the dense layers {self.dense_layers}")
+        if self.use_attn_res and self.attn_res_block_size <= 0:
+            fail("attn_res_block_size", f"must be > 0 or None, got {self.attn_res_block_size}")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            fail("dtype", f"{self.dtype!r}, expected 'bfloat16', 'float32' or 'float16'")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict, **overrides: Any) -> "ModelConfig":
+        """Build from a release/HF `config.json` (a path to the file or its folder, or a dict)."""
+        where = "<dict>"
+        if not isinstance(source, dict):
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            where = str(path)
+            try:
+                source = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{where}: no such config file") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e})") from None
+        try:
+            fields = _fields_from_hf(source)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        fields.update(overrides)
+        try:
+            return cls(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A named preset from `configs/` (`k3`, `k31_pro`, `kimi_linear_48b`, `tiny`)."""
+        path = preset_dir() / f"{name}.json"
+        if not path.exists():
+            known = sorted(p.stem for p in preset_dir().glob("*.json"))
+            raise ConfigError(f"unknown preset {name!r}; known presets: {known}")
+        return cls.from_hf(path, **overrides)
+
+
+K3Config = ModelConfig  # the spec's name for the same class
+
+
+def preset_dir() -> Path:
+    """The folder of preset JSON files (inside the package, a link to the repo's configs/)."""
+    return Path(__file__).resolve().parent / "configs"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.json"))
+
+
+def _fields_from_hf(raw: dict) -> dict[str, Any]:
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError("text_config: expected an object")
+    unknown_index = [k for k in text if (k.startswith("index_") or k.startswith("indexer_"))
+                     and k not in _INDEX_KEYS]
+    if unknown_index:
+        raise ConfigError(f"unknown indexer keys {sorted(unknown_index)}: only {list(_INDEX_KEYS)} "
+                          "are specified (architecture.md §10.5)")
+    if text.get("num_nextn_predict_layers", 0):
+        raise ConfigError(f"num_nextn_predict_layers={text['num_nextn_predict_layers']}: MTP "
+                          "layers are not supported (the release ships none), expected 0")
+    if text.get("mla_use_nope") is False:
+        raise ConfigError("mla_use_nope=false: rotary MLA is not specified for this model, "
+                          "expected true")
+
+    def need(key: str, container: dict = text, name: str | None = None):
+        if key not in container:
+            raise ConfigError(f"missing required field {name or key!r}")
+        return container[key]
+
+    num_layers = int(need("num_hidden_layers"))
+    lac = text.get("linear_attn_config") or {}
+    unknown_lac = sorted(set(lac) - _LINEAR_ATTN_KEYS)
+    if unknown_lac:
+        raise ConfigError(f"linear_attn_config has unknown keys {unknown_lac}")
+    layer_types = _layer_types(text, lac, num_layers)
+
+    kda_heads = int(lac.get("num_heads", text.get("linear_num_heads", 0)) or 0)
+    kda_head_dim = int(lac.get("head_dim", lac.get("head_k_dim", 0)) or 0)
+    lower_bound = lac.get("gate_lower_bound")
+    # The K3 release pads A_log to head_dim; Kimi Linear stores one value per head.
+    a_log_len = kda_head_dim if lower_bound is not None else kda_heads
+    if "kda" in layer_types and a_log_len < kda_heads:
+        a_log_len = kda_heads
+
+    act = text.get("hidden_act", "silu")
+    fields: dict[str, Any] = dict(
+        vocab_size=int(need("vocab_size")),
+        hidden_size=int(need("hidden_size")),
+        num_hidden_layers=num_layers,
+        layer_types=layer_types,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+        hidden_act=act,
+        activation_situ_beta=float(text.get("activation_situ_beta", 4.0)),
+        activation_situ_linear_beta=text.get("activation_situ_linear_beta"),
+        intermediate_size=int(text.get("intermediate_size", 0)),
+        first_k_dense_replace=int(text.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(text.get("moe_layer_freq", 1)),
+        num_attention_heads=int(text.get("num_attention_heads", 0)),
+        q_lora_rank=text.get("q_lora_rank"),
+        kv_lora_rank=int(text.get("kv_lora_rank", 0) or 0),
+        qk_nope_head_dim=int(text.get("qk_nope_head_dim", 0) or 0),
+        qk_rope_head_dim=int(text.get("qk_rope_head_dim", 0) or 0),
+        v_head_dim=int(text.get("v_head_dim", 0) or 0),
+        mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
+        kda_num_heads=kda_heads,
+        kda_head_dim=kda_head_dim,
+        kda_conv_size=int(lac.get("short_conv_kernel_size", 4)),
+        kda_gate_lower_bound=None if lower_bound is None else float(lower_bound),
+        kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        kda_a_log_len=a_log_len,
+        index_topk=text.get("index_topk"),
+        index_n_heads=int(text.get("index_n_heads", 0) or 0),
+        index_head_dim=int(text.get("index_head_dim", 0) or 0),
+        num_experts=int(text.get("num_experts", 0) or 0),
+        num_experts_per_token=int(text.get("num_experts_per_token", 0) or 0),
+        num_shared_experts=int(text.get("num_shared_experts", 0) or 0),
+        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
+        routed_expert_hidden_size=text.get("routed_expert_hidden_size"),
+        latent_moe_use_norm=bool(text.get("latent_moe_use_norm", True)),
+        moe_renormalize=bool(text.get("moe_renormalize", True)),
+        moe_router_activation_func=text.get("moe_router_activation_func", "sigmoid"),
+        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        num_expert_group=int(text.get("num_expert_group", 1) or 1),
+        topk_group=int(text.get("topk_group", 1) or 1),
+        attn_res_block_size=text.get("attn_res_block_size"),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
+        eos_token_id=raw.get("eos_token_id", text.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id", text.get("pad_token_id")),
+        max_position_embeddings=int(text.get("max_position_embeddings", 1 << 20)),
+        initializer_range=float(text.get("initializer_range", 0.02)),
+        dtype=str(text.get("dtype", raw.get("dtype", "bfloat16"))),
+    )
+    if fields["index_topk"] is not None and (not fields["index_n_heads"] or not fields["index_head_dim"]):
+        raise ConfigError("index_topk is set but index_n_heads / index_head_dim are missing")
+    if fields["tie_word_embeddings"]:
+        raise ConfigError("tie_word_embeddings=true: every Kimi checkpoint has an untied lm_head")
+    if act == "silu":
+        fields["activation_situ_linear_beta"] = None
+    return fields
+
+
+def _layer_types(text: dict, lac: dict, num_layers: int) -> tuple[LayerType, ...]:
+    if "full_attn_layers" in lac or "kda_layers" in lac:
+        full = [int(i) for i in lac.get("full_attn_layers", [])]
+        kda = [int(i) for i in lac.get("kda_layers", [])]
+        both = sorted(set(full) & set(kda))
+        if both:
+            raise ConfigError(f"linear_attn_config: layers {both} are in both full_attn_layers and "
+                              "kda_layers (1-indexed lists must be disjoint)")
+        expected = set(range(1, num_layers + 1))
+        missing = sorted(expected - set(full) - set(kda))
+        extra = sorted((set(full) | set(kda)) - expected)
+        if missing or extra:
+            raise ConfigError(
+                f"linear_attn_config: full_attn_layers + kda_layers must cover 1..{num_layers} "
+                f"exactly (1-indexed); missing {missing}, out of range {extra}")
+        return tuple("mla" if i + 1 in full else "kda" for i in range(num_layers))
+    if "layer_types" in text:
+        names = list(text["layer_types"])
+        if len(names) != num_layers:
+            raise ConfigError(f"layer_types has {len(names)} entries, expected {num_layers}")
+        unknown = sorted({n for n in names if n not in _LAYER_TYPE_ALIASES})
+        if unknown:
+            raise ConfigError(f"layer_types: unknown names {unknown}, expected one of "
+                              f"{sorted(_LAYER_TYPE_ALIASES)}")
+        return tuple(_LAYER_TYPE_ALIASES[n] for n in names)
+    raise ConfigError("missing the layer schedule: expected linear_attn_config.full_attn_layers / "
+                      "kda_layers (1-indexed) or layer_types")

@@ -1,0 +1,8 @@
+"""NNX modules: thin wrappers that hold parameters and call `k31jax.ops`."""
+
+from ._ffn import DenseMLP, LatentMoE
+from ._kda_layer import KDAMixer
+from ._mla_layer import Indexer, MLAMixer
+from ._model import K31ForCausalLM, LayerNorms
+
+__all__ = ["DenseMLP", "Indexer", "K31ForCausalLM", "KDAMixer", "LatentMoE", "LayerNorms", "MLAMixer"]

@@ -1,0 +1,79 @@
+"""FFN modules: the dense GLU MLP (layer 0) and the Stable LatentMoE. Spec architecture.md §7-8."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from ..ops import _moe, _norms, _router
+from ..ops._activations import glu
+from ._param import constant, normal
+
+
+class DenseMLP(nnx.Module):
+    """`down(act(gate x, up x))`; also the fused shared experts."""
+
+    def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+        d, dt, std = cfg.hidden_size, jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.gate_proj = normal(rngs, (d, width), std, dt, ("embed", "mlp"))
+        self.up_proj = normal(rngs, (d, width), std, dt, ("embed", "mlp"))
+        self.down_proj = normal(rngs, (width, d), std, dt, ("mlp", "embed"))
+
+    def __call__(self, x):
+        return glu(x @ self.gate_proj[...], x @ self.up_proj[...], *self.act) @ self.down_proj[...]
+
+
+class LatentMoE(nnx.Module):
+    """Router on x, experts in the latent space, one RMSNorm of the summed latent, up, + shared.
+
+    Without `routed_expert_hidden_size` (Kimi Linear) the experts run on x directly.
+    Routed expert weights are stacked `[E, out, in]`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        ell = cfg.expert_in_dim
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.cfg = cfg
+        self.gate = normal(rngs, (d, e), std, dt, ("embed", None))
+        self.gate_bias = constant((e,), 0.0, jnp.float32, (None,))
+        if cfg.latent_moe:
+            self.latent_down = normal(rngs, (d, ell), std, dt, ("embed", "latent"))
+            if cfg.latent_moe_use_norm:
+                self.latent_norm = constant((ell,), 1.0, dt, ("norm",))
+            self.latent_up = normal(rngs, (ell, d), std, dt, ("latent", "embed"))
+        self.w_gate = normal(rngs, (e, i, ell), std, dt, ("expert", "expert_mlp", "latent"))
+        self.w_up = normal(rngs, (e, i, ell), std, dt, ("expert", "expert_mlp", "latent"))
+        self.w_down = normal(rngs, (e, ell, i), std, dt, ("expert", "latent", "expert_mlp"))
+        self.shared = (DenseMLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
+                       if cfg.num_shared_experts else None)
+
+    def route(self, x):
+        c = self.cfg
+        return _router.route(
+            x, self.gate[...], self.gate_bias[...], c.num_experts_per_token,
+            renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor,
+            activation=c.moe_router_activation_func, n_group=c.num_expert_group,
+            topk_group=c.topk_group)
+
+    def __call__(self, x, *, impl="auto"):
+        """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights)."""
+        c = self.cfg
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        idx, weights = self.route(flat)
+        u_in = flat @ self.latent_down[...] if c.latent_moe else flat
+        u = _moe.routed_experts(
+            u_in, idx, weights, self.w_gate[...], self.w_up[...], self.w_down[...],
+            hidden_act=c.hidden_act, beta_gate=c.activation_situ_beta,
+            beta_up=c.activation_situ_linear_beta, impl=impl).astype(x.dtype)
+        if c.latent_moe:
+            if c.latent_moe_use_norm:
+                u = _norms.rms_norm(u, self.latent_norm[...], c.rms_norm_eps)
+            u = u @ self.latent_up[...]
+        if self.shared is not None:
+            u = u + self.shared(flat)
+        k = idx.shape[-1]
+        return u.reshape(b, t, d), idx.reshape(b, t, k), weights.reshape(b, t, k)

@@ -1,0 +1,100 @@
+"""The Kimi Delta Attention mixer as a thin NNX module over `k31jax.ops`. Spec kda.md."""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from ..ops import _kda, _norms
+from ._param import constant, dt_bias_init, normal, param, uniform
+
+
+class KDAMixer(nnx.Module):
+    """q/k/v projections + short convs, lower-bound (or softplus) gate, delta rule, gated norm.
+
+    Parameters are stored `[in, out]` (the release's `[out, in]` transposed); convs `[K, C]`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        c = h * dk
+        dt = jnp.dtype(cfg.dtype)
+        std = cfg.initializer_range
+        self.num_heads, self.head_dim = h, dk
+        self.lower_bound = cfg.kda_gate_lower_bound
+        self.full_rank_gate = cfg.kda_full_rank_gate
+        self.eps = cfg.rms_norm_eps
+        self.chunk_size = cfg.kda_chunk_size
+        self.q_proj = normal(rngs, (d, c), std, dt, ("embed", "heads"))
+        self.k_proj = normal(rngs, (d, c), std, dt, ("embed", "heads"))
+        self.v_proj = normal(rngs, (d, c), std, dt, ("embed", "heads"))
+        k = cfg.kda_conv_size
+        self.q_conv = uniform(rngs, (k, c), -0.5, 0.5, jnp.float32, ("conv", "heads"))
+        self.k_conv = uniform(rngs, (k, c), -0.5, 0.5, jnp.float32, ("conv", "heads"))
+        self.v_conv = uniform(rngs, (k, c), -0.5, 0.5, jnp.float32, ("conv", "heads"))
+        self.f_a_proj = normal(rngs, (d, dk), std, dt, ("embed", "head_dim"))
+        self.f_b_proj = normal(rngs, (dk, c), std, dt, ("head_dim", "heads"))
+        self.b_proj = normal(rngs, (d, h), std, dt, ("embed", "heads"))
+        if self.lower_bound is None:  # Kimi Linear: A_log = log U(1, 16)
+            a = jnp.log(jax.random.uniform(rngs.params(), (cfg.kda_a_log_len,), jnp.float32, 1, 16))
+            self.a_log = param(a, ("norm",))
+        else:  # K3: A_log = 0, stored zero-padded to kda_a_log_len
+            self.a_log = constant((cfg.kda_a_log_len,), 0.0, jnp.float32, ("norm",))
+        self.dt_bias = dt_bias_init(rngs, (c,), ("heads",))
+        if self.full_rank_gate:
+            self.g_proj = normal(rngs, (d, c), std, dt, ("embed", "heads"))
+        else:
+            self.g_a_proj = normal(rngs, (d, dk), std, dt, ("embed", "head_dim"))
+            self.g_b_proj = normal(rngs, (dk, c), std, dt, ("head_dim", "heads"))
+        self.o_norm = constant((dk,), 1.0, jnp.float32, ("norm",))
+        self.o_proj = normal(rngs, (c, d), std, dt, ("heads", "embed"))
+
+    def __call__(self, x, state=None, conv=None, valid=None):
+        """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, state, conv).
+
+        state `[B, H, dk, dv]` fp32 and conv `[B, 3, C, K-1]` (pre-conv q/k/v inputs, oldest
+        first) continue a sequence; None starts one. `valid` `[B, T]` marks real tokens:
+        padded positions become identity steps (no decay, no write, zero conv input).
+        T == 1 takes the recurrent step, longer inputs the chunked form.
+        """
+        b, t, _ = x.shape
+        h, dk = self.num_heads, self.head_dim
+        if valid is not None:
+            x = jnp.where(valid[:, :, None], x, 0)
+        hist = [None] * 3 if conv is None else [jnp.swapaxes(conv[:, j], 1, 2) for j in range(3)]
+        branches, new_hist = [], []
+        for proj, w_conv, hst in zip((self.q_proj, self.k_proj, self.v_proj),
+                                     (self.q_conv, self.k_conv, self.v_conv), hist):
+            y, hy = _kda.short_conv(x @ proj[...], w_conv[...], hst)
+            branches.append(jax.nn.silu(y).reshape(b, t, h, dk))
+            new_hist.append(jnp.swapaxes(hy, 1, 2))
+        q, k, v = branches
+        q = _norms.l2_normalize(q) * dk ** -0.5
+        k = _norms.l2_normalize(k)
+        z = ((x @ self.f_a_proj[...]) @ self.f_b_proj[...]).astype(jnp.float32).reshape(b, t, h, dk)
+        g = _kda.kda_gate(z, self.a_log[...][:h], self.dt_bias[...].reshape(h, dk), self.lower_bound)
+        beta = jax.nn.sigmoid((x @ self.b_proj[...]).astype(jnp.float32))
+        if valid is not None:
+            g, beta = _kda.kda_mask_padding(valid, g, beta)
+        if t == 1 and state is not None:
+            o, state = _kda.kda_recurrent(q, k, v, g, beta, state)
+        else:
+            o, state = _kda.kda_chunked(q, k, v, g, beta, state, self.chunk_size)
+        gate_in = x @ self.g_proj[...] if self.full_rank_gate else (x @ self.g_a_proj[...]) @ self.g_b_proj[...]
+        gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
+        o = (o * self.o_norm[...] * gate).reshape(b, t, h * dk).astype(x.dtype)
+        return o @ self.o_proj[...], state, jnp.stack(new_hist, axis=1)
+
+
+def conv_cache_shape(cfg: ModelConfig, batch: int) -> tuple[int, ...]:
+    return (batch, 3, cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_conv_size - 1)
+
+
+def state_shape(cfg: ModelConfig, batch: int) -> tuple[int, ...]:
+    return (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+
+

@@ -1,0 +1,130 @@
+"""Gated NoPE MLA, with the optional K3.1 lightning indexer (Gated DSA). Spec attention.md."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from ..ops import _indexer, _mla, _norms
+from ._param import constant, normal
+
+_LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
+
+
+class Indexer(nnx.Module):
+    """DeepSeek-V3.2-style lightning indexer without RoPE (architecture.md §10.1)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        self.n_heads, self.top_k = hi, cfg.index_topk
+        self.wq_b = normal(rngs, (cfg.q_lora_rank, hi * di), std, dt, ("q_lora", "index_heads"))
+        self.wk = normal(rngs, (cfg.hidden_size, di), std, dt, ("embed", "head_dim"))
+        self.k_norm_weight = constant((di,), 1.0, dt, ("norm",))
+        self.k_norm_bias = constant((di,), 0.0, dt, ("norm",))
+        self.weights_proj = normal(rngs, (cfg.hidden_size, hi), std, dt, ("embed", "index_heads"))
+
+    def keys(self, x):
+        return _indexer.indexer_keys(x, self.wk[...], self.k_norm_weight[...], self.k_norm_bias[...])
+
+    def queries(self, c_q, x):
+        return _indexer.indexer_queries(c_q, self.wq_b[...], x, self.weights_proj[...], self.n_heads)
+
+
+class MLAMixer(nnx.Module):
+    """`y = o_proj(o ⊙ σ(g_proj x))` with NoPE MLA attention (naive prefill, absorbed decode).
+
+    Weights are `[in, out]`; `q_b` / `kv_b` columns keep the release's head-major order
+    ([nope | pe] and [k_nope | v] per head).
+    """
+
+    # Prefill with a selection uses the [T, S] mask when T*S is at most this, else the gather.
+    mask_path_max_elements = 1 << 22
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        dt, std = jnp.dtype(cfg.dtype), cfg.initializer_range
+        self.num_heads, self.dn, self.dr, self.dv, self.r = h, dn, dr, dv, r
+        self.scale = (dn + dr) ** -0.5
+        self.use_q_lora = cfg.q_lora_rank is not None
+        if self.use_q_lora:
+            self.q_a_proj = normal(rngs, (d, cfg.q_lora_rank), std, dt, ("embed", "q_lora"))
+            self.q_a_norm = constant((cfg.q_lora_rank,), 1.0, dt, ("norm",))
+            self.q_b_proj = normal(rngs, (cfg.q_lora_rank, h * (dn + dr)), std, dt, ("q_lora", "heads"))
+        else:
+            self.q_proj = normal(rngs, (d, h * (dn + dr)), std, dt, ("embed", "heads"))
+        self.kv_a_proj = normal(rngs, (d, r + dr), std, dt, ("embed", "kv_lora"))
+        self.kv_a_norm = constant((r,), 1.0, dt, ("norm",))
+        self.kv_b_proj = normal(rngs, (r, h * (dn + dv)), std, dt, ("kv_lora", "heads"))
+        self.use_gate = cfg.mla_use_output_gate
+        if self.use_gate:
+            self.g_proj = normal(rngs, (d, h * dv), std, dt, ("embed", "heads"))
+        self.o_proj = normal(rngs, (h * dv, d), std, dt, ("heads", "embed"))
+        self.indexer = Indexer(cfg, rngs=rngs) if cfg.use_indexer else None
+
+    def latents(self, x):
+        """c_q (or None), the normalised c_kv, and the raw k_pe for x `[B, T, D]`."""
+        c_q = _norms.rms_norm(x @ self.q_a_proj[...], self.q_a_norm[...], _LATENT_EPS) if self.use_q_lora else None
+        kv = x @ self.kv_a_proj[...]
+        c_kv = _norms.rms_norm(kv[..., :self.r], self.kv_a_norm[...], _LATENT_EPS)
+        return c_q, c_kv, kv[..., self.r:]
+
+    def _split_kv_b(self):
+        w = self.kv_b_proj[...].reshape(self.r, self.num_heads, self.dn + self.dv)
+        return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
+
+    def __call__(self, x, c_kv_cache=None, k_pe_cache=None, index_cache=None, *, pos=0,
+                 key_valid=None, sparse_impl="auto"):
+        """x `[B, T, D]` -> (y, c_kv_cache, k_pe_cache, index_cache).
+
+        Without caches the T tokens attend among themselves. With caches (`[B, S, ·]`), the new
+        latents are written at `pos` and the queries (absolute positions pos..pos+T-1) attend
+        over the whole buffer; `key_valid [B, S]` marks written, non-padding slots (it must
+        already include the new tokens). sparse_impl: "mask" | "gather" | "auto".
+        """
+        b, t, _ = x.shape
+        h, dn, dr = self.num_heads, self.dn, self.dr
+        c_q, c_kv, k_pe = self.latents(x)
+        q = (c_q @ self.q_b_proj[...] if self.use_q_lora else x @ self.q_proj[...]).reshape(b, t, h, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        idx_k = self.indexer.keys(x).astype(x.dtype) if self.indexer is not None else None
+        if c_kv_cache is None:
+            keys_ckv, keys_kpe, keys_idx = c_kv, k_pe, idx_k
+            if key_valid is None:
+                key_valid = jnp.ones((b, t), bool)
+        else:
+            upd = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), pos, axis=1)
+            c_kv_cache, k_pe_cache = upd(c_kv_cache, c_kv), upd(k_pe_cache, k_pe)
+            if idx_k is not None:
+                index_cache = upd(index_cache, idx_k)
+            keys_ckv, keys_kpe, keys_idx = c_kv_cache, k_pe_cache, index_cache
+        s_len = keys_ckv.shape[1]
+        q_pos = pos + jnp.arange(t)
+        mask = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
+
+        w_uk, w_uv = self._split_kv_b()
+        select = self.indexer is not None and self.indexer.top_k < s_len
+        if select:
+            qi, wi = self.indexer.queries(c_q, x)
+            sel_idx, sel_valid = _indexer.select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
+                                                      key_valid, self.indexer.top_k)
+            if sparse_impl == "auto":
+                sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
+        if select and sparse_impl == "gather":
+            o = _mla.mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
+                                          sel_valid, self.scale)
+        else:
+            if select:
+                mask = mask & _indexer.selection_mask(sel_idx, sel_valid, s_len)
+            if t == 1:  # decode: absorbed (MQA) form over the latent cache
+                o = _mla.mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale)
+            else:  # prefill: naive (MHA) form with per-head keys/values expanded from the latent
+                kv = (keys_ckv @ self.kv_b_proj[...]).reshape(b, s_len, h, dn + self.dv)
+                o = _mla.mla_attention(q_nope, q_pe, kv[..., :dn], keys_kpe, kv[..., dn:], mask, self.scale)
+        o = o.reshape(b, t, h * self.dv)
+        if self.use_gate:
+            o = o * jax.nn.sigmoid((x @ self.g_proj[...]).astype(jnp.float32))
+        return o.astype(x.dtype) @ self.o_proj[...], c_kv_cache, k_pe_cache, index_cache

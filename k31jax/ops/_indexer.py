@@ -1,0 +1,100 @@
+"""The K3.1 lightning indexer (Gated DSA): scores and causal top-k. Spec architecture.md §10.
+
+All index math is fp32. Scores only rank keys; they never enter a softmax at inference.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._norms import layer_norm
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def indexer_keys(
+    x: Float[Array, "B S D"], wk: Float[Array, "D dI"], norm_w: Float[Array, "dI"],
+    norm_b: Float[Array, "dI"], eps: float = 1e-6,
+) -> Float[Array, "B S dI"]:
+    """One LayerNorm'd 128-d index key per token, shared by all index heads."""
+    return layer_norm(jnp.dot(x, wk, preferred_element_type=jnp.float32), norm_w, norm_b, eps)
+
+
+def indexer_queries(
+    c_q: Float[Array, "B T R"], wq_b: Float[Array, "R HdI"], x: Float[Array, "B T D"],
+    weights_proj: Float[Array, "D HI"], n_heads: int,
+) -> tuple[Float[Array, "B T HI dI"], Float[Array, "B T HI"]]:
+    """Index queries from the MLA q-latent, and per-head weights `weights_proj(x) · HI^-½`."""
+    q = jnp.dot(c_q, wq_b, preferred_element_type=jnp.float32)
+    q = q.reshape(*q.shape[:-1], n_heads, -1)
+    w = jnp.dot(x.astype(jnp.float32), weights_proj.astype(jnp.float32), precision=_HI)
+    return q, w * n_heads ** -0.5
+
+
+def indexer_scores(
+    q: Float[Array, "B T HI dI"], w: Float[Array, "B T HI"], k: Float[Array, "B S dI"]
+) -> Float[Array, "B T S"]:
+    """`I_{t,s} = dI^-½ · Σ_j w_{t,j} · ReLU(q_{t,j} · k_s)` (no causal mask applied here)."""
+    dots = jnp.einsum("btjd,bsd->btjs", q, k, precision=_HI)
+    return jnp.einsum("btj,btjs->bts", w, jax.nn.relu(dots), precision=_HI) * q.shape[-1] ** -0.5
+
+
+def select_topk(
+    q: Float[Array, "B T HI dI"],
+    w: Float[Array, "B T HI"],
+    k: Float[Array, "B S dI"],
+    q_pos: Int[Array, "T"],
+    key_valid: Bool[Array, "B S"],
+    top_k: int,
+    key_block: int | None = None,
+) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
+    """Causal top-min(k, S) selection per query, the query's own position included.
+
+    Key s is a candidate for the query at absolute position `q_pos[t]` iff `s <= q_pos[t]` and
+    `key_valid[b, s]`. Returns indices into the key axis and whether each slot holds a real
+    candidate (early rows have fewer than k). With `key_block`, keys are streamed in blocks
+    with a running top-k, so no `[T, S]` score matrix is ever built.
+    """
+    s_len = k.shape[1]
+    kk = min(top_k, s_len)
+
+    def block_scores(k_blk, start):
+        pos = start + jnp.arange(k_blk.shape[1])
+        ok = (pos[None, None, :] <= q_pos[None, :, None]) & jax.lax.dynamic_slice_in_dim(
+            key_valid, start, k_blk.shape[1], axis=1)[:, None, :]
+        return jnp.where(ok, indexer_scores(q, w, k_blk), -jnp.inf), pos
+
+    if key_block is None or key_block >= s_len:
+        scores, _ = block_scores(k, 0)
+        vals, idx = jax.lax.top_k(scores, kk)
+        return idx.astype(jnp.int32), vals > -jnp.inf
+
+    n_blk = -(-s_len // key_block)
+    pad = n_blk * key_block - s_len
+    k_pad = jnp.pad(k, [(0, 0), (0, pad), (0, 0)])
+    valid_pad = jnp.pad(key_valid, [(0, 0), (0, pad)])
+    b, t = q.shape[:2]
+    init = (jnp.full((b, t, kk), -jnp.inf, jnp.float32), jnp.zeros((b, t, kk), jnp.int32))
+
+    def merge(carry, i):
+        start = i * key_block
+        k_blk = jax.lax.dynamic_slice_in_dim(k_pad, start, key_block, axis=1)
+        pos = start + jnp.arange(key_block)
+        ok = (pos[None, None, :] <= q_pos[None, :, None]) & jax.lax.dynamic_slice_in_dim(
+            valid_pad, start, key_block, axis=1)[:, None, :]
+        sc = jnp.where(ok, indexer_scores(q, w, k_blk), -jnp.inf)
+        vals = jnp.concatenate([carry[0], sc], axis=-1)
+        ids = jnp.concatenate([carry[1], jnp.broadcast_to(pos, sc.shape).astype(jnp.int32)], -1)
+        top_vals, where = jax.lax.top_k(vals, kk)
+        return (top_vals, jnp.take_along_axis(ids, where, axis=-1)), None
+
+    (vals, idx), _ = jax.lax.scan(merge, init, jnp.arange(n_blk))
+    return idx, vals > -jnp.inf
+
+
+def selection_mask(idx: Int[Array, "B T K"], valid: Bool[Array, "B T K"], s_len: int) -> Bool[Array, "B T S"]:
+    """Scatter a selection into a boolean `[B, T, S]` mask (for the MHA mask path)."""
+    b, t, _ = idx.shape
+    bi = jnp.arange(b)[:, None, None]
+    ti = jnp.arange(t)[None, :, None]
+    return jnp.zeros((b, t, s_len), bool).at[bi, ti, idx].set(valid)

@@ -1,0 +1,155 @@
+"""Kimi Delta Attention: short conv, gates, and the delta-rule recurrence. Spec kda.md.
+
+Layouts: activations `[B, T, H, d]`; the recurrent state is key-major `[B, H, dk, dv]` fp32.
+Everything from the gates to the state runs in fp32; callers cast the output back.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+from jaxtyping import Array, Bool, Float
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def short_conv(
+    x: Float[Array, "B T C"],
+    weight: Float[Array, "K C"],
+    history: Float[Array, "B Km1 C"] | None = None,
+) -> tuple[Float[Array, "B T C"], Float[Array, "B Km1 C"]]:
+    """Causal depthwise conv: `y_t = Σ_j w[j] · in_{t-K+1+j}` (tap K-1 is the current token).
+
+    `history` holds the K-1 previous *pre-conv* inputs, oldest first (zeros when None). Returns
+    the fp32 output (no activation) and the new history (the last K-1 inputs).
+    """
+    k = weight.shape[0]
+    b, t, c = x.shape
+    if history is None:
+        history = jnp.zeros((b, k - 1, c), jnp.float32)
+    full = jnp.concatenate([history.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    w = weight.astype(jnp.float32)
+    y = sum(w[j] * full[:, j:j + t] for j in range(k))
+    return y, full[:, t:]
+
+
+def softplus_thresholded(u: Float[Array, "..."]) -> Float[Array, "..."]:
+    """torch's softplus with threshold 20: `u` where `u > 20`, else `log1p(exp(u))`."""
+    return jnp.where(u > 20.0, u, jnp.log1p(jnp.exp(jnp.minimum(u, 20.0))))
+
+
+def kda_gate(
+    z: Float[Array, "B T H dk"],
+    a_log: Float[Array, "H"],
+    dt_bias: Float[Array, "H dk"],
+    lower_bound: float | None,
+) -> Float[Array, "B T H dk"]:
+    """Per-channel log-decay g ≤ 0 (kda.md §3), fp32.
+
+    lower_bound set (K3): `g = lb · σ(exp(A_log[h]) · (z + dt_bias))`, so g ∈ (lb, 0).
+    lower_bound None (Kimi Linear): `g = -exp(A_log[h]) · softplus(z + dt_bias)`.
+    """
+    u = z.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+    if lower_bound is None:
+        return -a * softplus_thresholded(u)
+    return lower_bound * jax.nn.sigmoid(a * u)
+
+
+def kda_recurrent(
+    q: Float[Array, "B T H dk"],
+    k: Float[Array, "B T H dk"],
+    v: Float[Array, "B T H dv"],
+    g: Float[Array, "B T H dk"],
+    beta: Float[Array, "B T H"],
+    initial_state: Float[Array, "B H dk dv"] | None = None,
+) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
+
+    q and k are used as given (already L2-normalised, q scaled). Used for decode steps; fp32.
+    """
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state
+    xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
+
+    def step(s, inp):
+        qt, kt, vt, gt, bt = inp
+        s = s * jnp.exp(gt)[..., None]
+        read = jnp.einsum("bhkv,bhk->bhv", s, kt, precision=_HI)
+        s = s + jnp.einsum("bhk,bhv->bhkv", kt * bt[..., None], vt - read, precision=_HI)
+        return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HI)
+
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def kda_chunked(
+    q: Float[Array, "B T H dk"],
+    k: Float[Array, "B T H dk"],
+    v: Float[Array, "B T H dv"],
+    g: Float[Array, "B T H dk"],
+    beta: Float[Array, "B T H"],
+    initial_state: Float[Array, "B H dk dv"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    """Chunked WY/UT form of `kda_recurrent` (kda.md §5), for prefill and training.
+
+    Any T: the tail is padded with zeros for q, k, v, g and β, which is an exact identity
+    step (α = 1, k = 0, β = 0). Pairwise decays are materialised per chunk as
+    `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`, which never overflows whatever the gate (kda.md §6a).
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(a):
+        a = a.astype(jnp.float32)
+        if pad:
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(b, n, c, *a.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 3, 2)  # [n, B, H, C, ...]
+
+    qc, kc, vc, gc = (chunks(a) for a in (q, k, v, g))
+    bc = chunks(beta)  # [n, B, H, C]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state
+    body = functools.partial(_kda_chunk_step, chunk_size=c)
+    state, o = jax.lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, dv]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * c, h, dv)
+    return o[:, :t], state
+
+
+def _kda_chunk_step(state, inp, *, chunk_size):
+    q, k, v, g, beta = inp  # [B, H, C, d], beta [B, H, C]
+    c = chunk_size
+    gamma = jnp.cumsum(g, axis=2)  # [B, H, C, dk], non-increasing
+    i = jnp.arange(c)
+    incl = i[:, None] >= i[None, :]  # j <= i
+    diff = gamma[:, :, :, None, :] - gamma[:, :, None, :, :]  # [B, H, i, j, dk]
+    decay = jnp.exp(jnp.where(incl[..., None], diff, -jnp.inf))
+    kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k, k, decay, precision=_HI)
+    strict = i[:, None] > i[None, :]
+    lower = jnp.where(strict, beta[..., :, None] * kk, 0.0)
+    unit_lower = lower + jnp.eye(c, dtype=jnp.float32)
+    solve = functools.partial(solve_triangular, lower=True, unit_diagonal=True)
+    u = solve(unit_lower, beta[..., None] * v)
+    w = solve(unit_lower, beta[..., None] * k * jnp.exp(gamma))
+    pseudo_v = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HI)
+    attn = jnp.einsum("bhid,bhjd,bhijd->bhij", q, k, decay, precision=_HI)
+    out = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gamma), state, precision=_HI)
+           + jnp.einsum("bhij,bhjv->bhiv", attn, pseudo_v, precision=_HI))
+    last = gamma[:, :, -1:, :]  # Γ_C
+    new_state = (jnp.exp(last[:, :, 0, :])[..., None] * state
+                 + jnp.einsum("bhck,bhcv->bhkv", k * jnp.exp(last - gamma), pseudo_v, precision=_HI))
+    return new_state, out
+
+
+def kda_mask_padding(
+    valid: Bool[Array, "B T"], g: Float[Array, "B T H dk"], beta: Float[Array, "B T H"]
+) -> tuple[Float[Array, "B T H dk"], Float[Array, "B T H"]]:
+    """Make padded positions identity steps: g = 0 (no decay) and β = 0 (no write)."""
+    return (jnp.where(valid[:, :, None, None], g, 0.0), jnp.where(valid[:, :, None], beta, 0.0))

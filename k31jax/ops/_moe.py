@@ -1,0 +1,127 @@
+"""Dropless routed experts as named stages: permute, grouped matmul, combine.
+
+Expert weights are stacked `[E, out, in]` (the release orientation; blocks of a packed MXFP4
+weight run along `in`). A weight is either a float array or an `MXFP4Weight`
+(packed uint8 `[E, out, in/2]` + E8M0 scale bytes `[E, out, in/32]`), dequantised inside the
+jitted graph right before its matmul, so the packed bytes are what lives in memory.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt8
+
+from ._activations import glu
+
+
+class MXFP4Weight(NamedTuple):
+    """A stacked MXFP4 expert weight: E2M1 codes two per byte (low nibble = even element)."""
+
+    packed: UInt8[Array, "E out in_half"]
+    scale: UInt8[Array, "E out in_blocks"]
+
+
+ExpertWeight = Array | MXFP4Weight
+
+
+def materialize(w: ExpertWeight, dtype) -> Array:
+    """The float value of an expert weight (dequantises MXFP4 in-graph)."""
+    if isinstance(w, MXFP4Weight):
+        from ..quant import mxfp4_dequantize_packed  # local: quant imports nothing from here
+        return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
+    return w.astype(dtype)
+
+
+def take_experts(w: ExpertWeight, idx: Int[Array, "..."]) -> ExpertWeight:
+    """Gather the experts `idx` along the leading axis, keeping the storage format."""
+    if isinstance(w, MXFP4Weight):
+        return MXFP4Weight(w.packed[idx], w.scale[idx])
+    return w[idx]
+
+
+def permute(
+    x: Float[Array, "N D"], idx: Int[Array, "N K"], num_experts: int
+) -> tuple[Float[Array, "M D"], Int[Array, "M"], Int[Array, "E"]]:
+    """Sort the N·K (token, expert) assignments by expert: rows, their order, group sizes."""
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return x[order // k], order, group_sizes
+
+
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def grouped_matmul(
+    x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"]
+) -> Float[Array, "M out"]:
+    """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc)."""
+    w = materialize(w, x_sorted.dtype)
+    y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _RAGGED_DN,
+                                   preferred_element_type=jnp.float32)
+    return y.astype(x_sorted.dtype)
+
+
+def combine(
+    y_sorted: Float[Array, "M d"], order: Int[Array, "M"], weights: Float[Array, "N K"]
+) -> Float[Array, "N d"]:
+    """Undo the sort and take the routing-weighted sum per token, accumulated in fp32."""
+    n, k = weights.shape
+    y = jnp.zeros((n * k, y_sorted.shape[-1]), jnp.float32).at[order].set(y_sorted.astype(jnp.float32))
+    return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y.reshape(n, k, -1),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def routed_experts(
+    x: Float[Array, "N d"],
+    idx: Int[Array, "N K"],
+    weights: Float[Array, "N K"],
+    w_gate: ExpertWeight,
+    w_up: ExpertWeight,
+    w_down: ExpertWeight,
+    *,
+    hidden_act: str = "situ",
+    beta_gate: float = 4.0,
+    beta_up: float | None = 25.0,
+    impl: str = "auto",
+) -> Float[Array, "N d"]:
+    """`Σ_k p_k · w_down_e(act(w_gate_e x, w_up_e x))` over each token's chosen experts (fp32).
+
+    impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training).
+    impl="gather": gather each assignment's weights and run a batched matmul; reads only the
+    chosen experts, which is what decode with few tokens wants.
+    impl="auto": "gather" when there are fewer assignments than experts, else "ragged".
+    """
+    n, k = idx.shape
+    num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
+    if impl == "auto":
+        impl = "gather" if n * k < num_experts else "ragged"
+
+    def act(g, u):
+        return glu(g, u, hidden_act, beta_gate, beta_up)
+
+    if impl == "ragged":
+        xs, order, sizes = permute(x, idx, num_experts)
+        h = act(grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
+        return combine(grouped_matmul(h, w_down, sizes), order, weights)
+    if impl == "gather":
+        flat = idx.reshape(-1)
+        xs = jnp.repeat(x, k, axis=0)
+
+        def bmm(inp, w):
+            wm = materialize(take_experts(w, flat), inp.dtype)
+            return jnp.einsum("mi,moi->mo", inp, wm, preferred_element_type=jnp.float32).astype(inp.dtype)
+
+        h = act(bmm(xs, w_gate), bmm(xs, w_up))
+        y = bmm(h, w_down).astype(jnp.float32).reshape(n, k, -1)
+        return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
+                          precision=jax.lax.Precision.HIGHEST)
+    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged' or 'gather'")

@@ -1,0 +1,181 @@
+"""FP4 nibble packing and the packed MXFP4 fast paths used by the model.
+
+Spec: ``mx_formats.md`` §3 (nibble order, layouts) and §4 (in-graph unpack).
+
+Nibble order (universal): byte j holds element 2j in bits 0-3 and element 2j+1
+in bits 4-7, so ``0x21 -> codes [1, 2] -> values [0.5, 1.0]``. This is the
+order of ``jax.lax.bitcast_convert_type(u8 -> float4_e2m1fn)``, compressed-
+tensors, gpt-oss, torch ``float4_e2m1fn_x2`` and safetensors ``F4``.
+
+``pack_fp4`` / ``unpack_fp4`` accept NumPy or jax arrays and return the same
+kind (host-side converters stay in NumPy); the ``mxfp4_*`` functions are jitted
+jnp code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k31jax.quant._formats import DEFAULT_BLOCK, FORMATS, check_rule
+from k31jax.quant._mx import (
+    _as_u8_scale,
+    apply_scale_blocks,
+    block_scale_bytes,
+    scale_blocks,
+)
+
+if TYPE_CHECKING:
+    from jaxtyping import Array, Float, Int32, UInt8
+
+_E2M1 = FORMATS["e2m1"]
+
+
+def _xp(*arrays):
+    """NumPy for NumPy/host inputs, jax.numpy for jax arrays and tracers."""
+    return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
+def pack_fp4(codes: UInt8[Array, "*B n"]) -> UInt8[Array, "*B n/2"]:
+    """Packs 4-bit codes (one per uint8, low nibble) two per byte along the last axis.
+
+    Element 2j goes to the low nibble of byte j, element 2j+1 to the high nibble.
+    High nibbles of the input bytes are ignored. ``n`` must be even.
+    """
+    xp = _xp(codes)
+    codes = xp.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise TypeError(f"pack_fp4: codes must be uint8, got {codes.dtype}")
+    n = codes.shape[-1]
+    if n % 2:
+        raise ValueError(f"pack_fp4: last axis of shape {codes.shape} has odd length {n}")
+    pairs = (codes & 0xF).reshape(*codes.shape[:-1], n // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: UInt8[Array, "*B m"]) -> UInt8[Array, "*B 2m"]:
+    """Inverse of :func:`pack_fp4`: uint8 [..., m] -> codes uint8 [..., 2m] (low nibble first)."""
+    xp = _xp(packed)
+    packed = xp.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise TypeError(f"unpack_fp4: packed must be uint8, got {packed.dtype}")
+    codes = xp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _check_packed_pair(packed_shape, scale_shape, block: int, name: str) -> None:
+    if block % 2:
+        raise ValueError(f"{name}: block must be even for packed fp4, got {block}")
+    if len(packed_shape) < 1 or len(packed_shape) != len(scale_shape):
+        raise ValueError(
+            f"{name}: packed {tuple(packed_shape)} and scale {tuple(scale_shape)} "
+            "must have the same rank >= 1"
+        )
+    half = block // 2
+    if (
+        tuple(packed_shape[:-1]) != tuple(scale_shape[:-1])
+        or packed_shape[-1] % half
+        or packed_shape[-1] // half != scale_shape[-1]
+    ):
+        raise ValueError(
+            f"{name}: packed {tuple(packed_shape)} (= [..., in/2]) and scale "
+            f"{tuple(scale_shape)} (= [..., in/{block}]) do not match for block={block}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block"))
+def mxfp4_dequantize_packed(
+    packed: UInt8[Array, "*B out in_half"],
+    scale: UInt8[Array, "*B out in_blocks"],
+    dtype=jnp.bfloat16,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> Float[Array, "*B out in"]:
+    """Dequantises packed MXFP4 weights ``[..., out, in/2]`` + ``[..., out, in/32]``.
+
+    This is the in-graph path the model's expert matmul calls: a bitcast
+    ``u8 -> float4_e2m1fn`` (low nibble first), a widening cast to f32, and a
+    broadcast multiply by the block scale in two exact power-of-two steps; the
+    result is cast to ``dtype`` (default bf16, exact for every E2M1 x E8M0
+    product in the normal range). Same numerics as :func:`dequantize`: scale byte
+    0xFF -> NaN, f32-subnormal products -> +-0, overflow -> +-Inf.
+
+    Returns:
+      ``dtype`` array ``[..., out, in]``.
+    """
+    packed = jnp.asarray(packed)
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"mxfp4_dequantize_packed: packed must be uint8, got {packed.dtype}")
+    scale = _as_u8_scale(scale, "mxfp4_dequantize_packed")
+    _check_packed_pair(packed.shape, scale.shape, block, "mxfp4_dequantize_packed")
+    v = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).astype(jnp.float32)
+    v = v.reshape(*scale.shape, block)  # [..., out, in/2, 2] -> [..., out, in/32, 32]
+    out = apply_scale_blocks(v, scale)
+    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "block"))
+def mxfp4_quantize_packed(
+    w: Float[Array, "*B out in"],
+    rule: str = "floor",
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[UInt8[Array, "*B out in_half"], UInt8[Array, "*B out in_blocks"]]:
+    """MXFP4-quantises ``w`` along its last axis and packs it.
+
+    Same numerics as ``quantize(w, "e2m1", rule=rule)`` followed by
+    :func:`pack_fp4`, but casts straight to ``float4_e2m1fn`` pairs and bitcasts
+    them to bytes.
+
+    Returns:
+      ``(packed uint8 [..., out, in/2], scale uint8 [..., out, in/32])``.
+    """
+    check_rule(rule)
+    w = jnp.asarray(w)
+    if w.ndim < 1 or w.shape[-1] % block or block % 2:
+        raise ValueError(
+            f"mxfp4_quantize_packed: last axis of shape {w.shape} must be a multiple "
+            f"of block={block} (and block even)"
+        )
+    wb = w.reshape(*w.shape[:-1], w.shape[-1] // block, block)
+    sb = block_scale_bytes(wb, _E2M1, rule)
+    y = scale_blocks(wb, sb, _E2M1)
+    y = y.reshape(*w.shape[:-1], w.shape[-1] // 2, 2).astype(jnp.float4_e2m1fn)
+    return jax.lax.bitcast_convert_type(y, jnp.uint8), sb
+
+
+@jax.jit
+def mxfp4_unpack_to_e4m3(packed: UInt8[Array, "*B m"]) -> Array:
+    """Packed E2M1 codes [..., m] -> ``float8_e4m3fn`` [..., 2m], losslessly.
+
+    Every E2M1 value is exact in E4M3 (``mx_formats.md`` §1.3), so an fp8 GEMM
+    operand times the per-block E8M0 scale (applied per block in f32, never
+    folded into the fp8 exponent) reproduces the MXFP4 weights bit-exactly.
+    """
+    packed = jnp.asarray(packed)
+    v = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return v.astype(jnp.float8_e4m3fn).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def mxfp4_block_max_histogram(
+    packed: UInt8[Array, "*B m"], *, block: int = DEFAULT_BLOCK
+) -> Int32[Array, "8"]:
+    """Histogram of each block's max |code| index (0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6).
+
+    The release diagnostic of ``mx_formats.md`` §2.1: under the floor or even
+    rule every non-zero block's max is 4 or 6 (indices 6, 7); under rceil, 3
+    (index 5) also occurs.
+    """
+    packed = jnp.asarray(packed)
+    if packed.shape[-1] % (block // 2):
+        raise ValueError(
+            f"mxfp4_block_max_histogram: last axis of {packed.shape} is not a multiple of {block // 2}"
+        )
+    mag = jnp.maximum(packed & 0x7, (packed >> 4) & 0x7)
+    mag = mag.reshape(-1, block // 2).max(axis=-1)
+    return jnp.bincount(mag.astype(jnp.int32), length=8).astype(jnp.int32)

@@ -1,0 +1,96 @@
+"""Float64 NumPy references: gated NoPE MLA and the lightning indexer.
+
+attention.md §1-§3 and architecture.md §6, §10. Written from shared/spec only. One sequence.
+"""
+
+import numpy as np
+
+from .common import _f64, layer_norm, rms_norm, sigmoid, softmax
+from .kda import _has, _w
+
+MLA_LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps (architecture.md §3)
+INDEXER_LN_EPS = 1e-6  # indexer k_norm eps (architecture.md §10.1)
+
+
+def mla_latents(x, p, cfg):
+    """MLA latents, attention.md §1.1: dict(c_q (post-norm or None), c_kv (post-norm), k_pe)."""
+    x = _f64(x)
+    r_kv = int(cfg["kv_lora_rank"])
+    if cfg.get("q_lora_rank") is None:
+        c_q = None
+    else:
+        c_q = rms_norm(x @ _w(p, "q_a_proj").T, _w(p, "q_a_layernorm"), MLA_LATENT_EPS)
+    kva = x @ _w(p, "kv_a_proj_with_mqa").T  # [T, r_kv + d_pe]: latent rows first, then k_pe
+    c_kv = rms_norm(kva[:, :r_kv], _w(p, "kv_a_layernorm"), MLA_LATENT_EPS)
+    k_pe = kva[:, r_kv:]  # not normalised, not rotated
+    return dict(c_q=c_q, c_kv=c_kv, k_pe=k_pe)
+
+
+def mla_layer(x, p, cfg, allowed=None):
+    """Naive (MHA) gated NoPE MLA, attention.md §1.1-§1.2, for x [T, D]; returns y [T, D].
+
+    allowed: optional bool [T, T] (query, key) mask, ANDed with causal (DSA selection).
+    """
+    x = _f64(x)
+    T = x.shape[0]
+    H = int(cfg["num_heads"])
+    d_nope, d_pe = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    d_v = int(cfg["v_head_dim"])
+    lat = mla_latents(x, p, cfg)
+    if lat["c_q"] is None:
+        q = x @ _w(p, "q_proj").T
+    else:
+        q = lat["c_q"] @ _w(p, "q_b_proj").T
+    q = q.reshape(T, H, d_nope + d_pe)  # per head [nope | pe]
+    q_nope, q_pe = q[..., :d_nope], q[..., d_nope:]
+    kv = (lat["c_kv"] @ _w(p, "kv_b_proj").T).reshape(T, H, d_nope + d_v)  # per head [k_nope | v]
+    k_nope, v = kv[..., :d_nope], kv[..., d_nope:]
+    k_pe = lat["k_pe"]  # [T, d_pe], shared by all heads
+
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    if allowed is not None:
+        mask = mask & np.asarray(allowed, dtype=bool)
+    if not mask.any(axis=1).all():
+        raise ValueError("mla_layer: a query row has no allowed key")
+    scale = (d_nope + d_pe) ** -0.5
+    o = np.zeros((T, H, d_v))
+    for h in range(H):
+        logits = (q_nope[:, h] @ k_nope[:, h].T + q_pe[:, h] @ k_pe.T) * scale  # [T, T]
+        logits = np.where(mask, logits, -np.inf)
+        o[:, h] = softmax(logits, axis=-1) @ v[:, h]
+    o = o.reshape(T, H * d_v)  # head-major
+    if _has(p, "g_proj"):
+        o = o * sigmoid(x @ _w(p, "g_proj").T)
+    return o @ _w(p, "o_proj").T
+
+
+def indexer_scores(x, c_q, p, n_heads, head_dim):
+    """Lightning indexer scores I [T, T], architecture.md §10.2; -inf where s > t.
+
+    p: wq_b [H_I*d_I, r_q], wk [d_I, D], k_norm_weight, k_norm_bias [d_I], weights_proj [H_I, D].
+    """
+    x, c_q = _f64(x), _f64(c_q)
+    T = x.shape[0]
+    qI = (c_q @ _f64(p["wq_b"]).T).reshape(T, n_heads, head_dim)  # head-major, no rotation
+    kI = layer_norm(x @ _f64(p["wk"]).T, p["k_norm_weight"], p["k_norm_bias"], INDEXER_LN_EPS)
+    w = (x @ _f64(p["weights_proj"]).T) * n_heads ** -0.5  # [T, H_I]
+    I = np.full((T, T), -np.inf)
+    for t in range(T):
+        for s in range(t + 1):
+            I[t, s] = head_dim ** -0.5 * np.sum(w[t] * np.maximum(qI[t] @ kI[s], 0.0))
+    return I
+
+
+def indexer_select(scores, topk):
+    """DSA selection, attention.md §3: allowed[t, s] = s <= t and s in top-min(k, t+1) of row t.
+
+    Ties go to the lower index (stable sort), like lax.top_k; compare selections as sets.
+    """
+    scores = _f64(scores)
+    T = scores.shape[0]
+    allowed = np.zeros((T, scores.shape[1]), dtype=bool)
+    for t in range(T):
+        n = min(int(topk), t + 1)
+        order = np.argsort(-scores[t, : t + 1], kind="stable")
+        allowed[t, order[:n]] = True
+    return allowed

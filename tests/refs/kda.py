@@ -1,0 +1,109 @@
+"""Float64 NumPy references for Kimi Delta Attention (kda.md §2-§7).
+
+Written from shared/spec only; not from k31jax code. One sequence, no batch axis.
+"""
+
+import numpy as np
+
+from .common import _f64, l2_normalize, short_conv, sigmoid, silu, softplus_torch
+
+
+def _w(p, name):
+    """Weight by HF name, accepting `name` or `name.weight`."""
+    if name in p:
+        return _f64(p[name])
+    return _f64(p[name + ".weight"])
+
+
+def _has(p, name):
+    return name in p or (name + ".weight") in p
+
+
+def kda_gate(z, A_log, dt_bias, num_heads, lower_bound):
+    """KDA forget gate g (log decay), kda.md §3. z [T, H, dk] = f_b(f_a x); returns [T, H, dk].
+
+    lower_bound float: lb * sigmoid(exp(A_log[h]) * (z + dt_bias)).
+    lower_bound None:  -exp(A_log[h]) * softplus(z + dt_bias) (torch threshold 20).
+    """
+    z = _f64(z)
+    T, H, dk = z.shape
+    assert H == num_heads
+    a = _f64(A_log).reshape(-1)[:num_heads]  # one scalar per head; [128] padded or [1,1,H,1]
+    assert a.shape == (num_heads,)
+    u = z + _f64(dt_bias).reshape(H, dk)[None]
+    A = np.exp(a)[None, :, None]
+    if lower_bound is None:
+        return -A * softplus_torch(u)
+    return float(lower_bound) * sigmoid(A * u)
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state=None):
+    """Delta-rule recurrence, kda.md §4 (key-major state), one token at a time.
+
+    q, k, g [T, H, dk]; v [T, H, dv]; beta [T, H]; q, k used as given.
+    Returns (o [T, H, dv], S [H, dk, dv]).
+    """
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    S = np.zeros((H, dk, dv)) if initial_state is None else _f64(initial_state).copy()
+    o = np.zeros((T, H, dv))
+    for t in range(T):
+        for h in range(H):
+            Sh = np.exp(g[t, h])[:, None] * S[h]             # 1. decay row i by e^{g_t[i]}
+            r = Sh.T @ k[t, h]                                # 2. read with decayed state
+            Sh = Sh + beta[t, h] * np.outer(k[t, h], v[t, h] - r)  # 3. delta write
+            o[t, h] = Sh.T @ q[t, h]                          # 4. read-out after the write
+            S[h] = Sh
+    return o, S
+
+
+def kda_layer(x, p, cfg, conv_history=None, initial_state=None):
+    """Whole KDA mixer, kda.md §2-§7, for x [T, D] (already input_layernorm'd).
+
+    p: HF names (q_proj, k_proj, v_proj, {q,k,v}_conv1d, f_a_proj, f_b_proj, b_proj, A_log,
+    dt_bias, o_norm, o_proj, g_proj | g_a_proj+g_b_proj). cfg: num_heads, head_dim,
+    lower_bound, rms_norm_eps. conv_history: {'q','k','v'} [K-1, H*dk] pre-conv rows or None.
+    Returns (y [T, D], final_state [H, dk, dv], new_conv_history).
+    """
+    x = _f64(x)
+    T, D = x.shape
+    H, dk = int(cfg["num_heads"]), int(cfg["head_dim"])
+    eps = float(cfg["rms_norm_eps"])
+
+    # §2: project, short conv (full channels, per branch), SiLU on q, k and v.
+    conv_out, new_hist = {}, {}
+    for b in ("q", "k", "v"):
+        pre = x @ _w(p, f"{b}_proj").T  # [T, C]
+        wc = _w(p, f"{b}_conv1d")
+        K = wc.shape[-1]
+        C = pre.shape[1]
+        hist = None if conv_history is None else conv_history[b]
+        conv_out[b] = silu(short_conv(pre, wc, hist))
+        prev = np.zeros((K - 1, C)) if hist is None else _f64(hist).reshape(K - 1, C)
+        new_hist[b] = np.concatenate([prev, pre], axis=0)[-(K - 1):] if K > 1 else np.zeros((0, C))
+    dv = conv_out["v"].shape[1] // H
+    q = conv_out["q"].reshape(T, H, dk)
+    k = conv_out["k"].reshape(T, H, dk)
+    v = conv_out["v"].reshape(T, H, dv)
+    q = l2_normalize(q, 1e-6) * dk ** -0.5
+    k = l2_normalize(k, 1e-6)
+
+    # §3: gates from x.
+    z = ((x @ _w(p, "f_a_proj").T) @ _w(p, "f_b_proj").T).reshape(T, H, dk)
+    g = kda_gate(z, _w(p, "A_log"), _w(p, "dt_bias"), H, cfg["lower_bound"])
+    beta = sigmoid(x @ _w(p, "b_proj").T)  # [T, H]
+
+    # §4: recurrence.
+    o, S = kda_recurrent(q, k, v, g, beta, initial_state)
+
+    # §7: gated RMSNorm per head (normalise, weight, then gate), o_proj.
+    if _has(p, "g_proj"):
+        G = x @ _w(p, "g_proj").T
+    else:
+        G = (x @ _w(p, "g_a_proj").T) @ _w(p, "g_b_proj").T
+    G = G.reshape(T, H, dv)
+    on = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)
+    on = on * _w(p, "o_norm").reshape(-1)[None, None, :] * sigmoid(G)
+    y = on.reshape(T, H * dv) @ _w(p, "o_proj").T
+    return y, S, new_hist
