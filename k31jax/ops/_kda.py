@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 from jaxtyping import Array, Bool, Float
 
 _HI = jax.lax.Precision.HIGHEST
@@ -32,6 +31,16 @@ def short_conv(
     w = weight.astype(jnp.float32)
     y = sum(w[j] * full[:, j:j + t] for j in range(k))
     return y, full[:, t:]
+
+
+def _zero_state(b, h, dk, dv):
+    """A fresh fp32 state behind an optimisation barrier.
+
+    Without the barrier XLA:CPU (jax 0.12) constant-folds the zero state into the first
+    chunk's matmuls and, when the sequence fits one chunk, intermittently returns garbage
+    (reads of uninitialised memory). The barrier costs nothing measurable.
+    """
+    return jax.lax.optimization_barrier(jnp.zeros((b, h, dk, dv), jnp.float32))
 
 
 def softplus_thresholded(u: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -71,7 +80,7 @@ def kda_recurrent(
     """
     b, _, h, dk = q.shape
     dv = v.shape[-1]
-    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state
+    state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
     xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
 
     def step(s, inp):
@@ -115,7 +124,7 @@ def kda_chunked(
 
     qc, kc, vc, gc = (chunks(a) for a in (q, k, v, g))
     bc = chunks(beta)  # [n, B, H, C]
-    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state
+    state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
     body = functools.partial(_kda_chunk_step, chunk_size=c)
     state, o = jax.lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
     o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, dv]
@@ -134,10 +143,8 @@ def _kda_chunk_step(state, inp, *, chunk_size):
     kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k, k, decay, precision=_HI)
     strict = i[:, None] > i[None, :]
     lower = jnp.where(strict, beta[..., :, None] * kk, 0.0)
-    unit_lower = lower + jnp.eye(c, dtype=jnp.float32)
-    solve = functools.partial(solve_triangular, lower=True, unit_diagonal=True)
-    u = solve(unit_lower, beta[..., None] * v)
-    w = solve(unit_lower, beta[..., None] * k * jnp.exp(gamma))
+    u = _unit_lower_solve(lower, beta[..., None] * v)
+    w = _unit_lower_solve(lower, beta[..., None] * k * jnp.exp(gamma))
     pseudo_v = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HI)
     attn = jnp.einsum("bhid,bhjd,bhijd->bhij", q, k, decay, precision=_HI)
     out = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gamma), state, precision=_HI)
@@ -146,6 +153,17 @@ def _kda_chunk_step(state, inp, *, chunk_size):
     new_state = (jnp.exp(last[:, :, 0, :])[..., None] * state
                  + jnp.einsum("bhck,bhcv->bhkv", k * jnp.exp(last - gamma), pseudo_v, precision=_HI))
     return new_state, out
+
+
+def _unit_lower_solve(strict_lower, rhs):
+    """`(I + L)^{-1} rhs` for strictly lower-triangular L, by forward substitution over rows."""
+    n = strict_lower.shape[-1]
+
+    def row(i, x):
+        xi = rhs[..., i, :] - jnp.einsum("...j,...jd->...d", strict_lower[..., i, :], x, precision=_HI)
+        return x.at[..., i, :].set(xi)
+
+    return jax.lax.fori_loop(0, n, row, jnp.zeros_like(rhs))
 
 
 def kda_mask_padding(
