@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+import regex
+
 NUM_RESERVED_SPECIAL_TOKENS = 256
 K3_NUM_BASE_TOKENS = 163_584
 K3_VOCAB_SIZE = K3_NUM_BASE_TOKENS + NUM_RESERVED_SPECIAL_TOKENS  # 163,840
@@ -111,3 +113,11 @@ def build_special_table(
             raise ValueError(f"special-token name {name!r} used for ids {table[name]} and {token_id}")
         table[name] = token_id
     return table
+
+
+_PRETOKENIZER = regex.compile(PRETOKENIZE_PATTERN, regex.V1)
+
+
+def pretokenize(text: str) -> list[str]:
+    """Split ``text`` into pre-tokens with the Kimi regex (the ``regex`` module, V1 flag)."""
+    return _PRETOKENIZER.findall(text)

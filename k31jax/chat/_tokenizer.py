@@ -268,9 +268,9 @@ class KimiTokenizer(TokenizerBase):
     ) -> "KimiTokenizer":
         """Load ``tiktoken.model`` (+ names from ``tokenizer_config.json`` if present).
 
-        Names come from the config's ``added_tokens_decoder`` (absolute ids); without a config,
-        from ``special_tokens`` (offsets; default K3). Config ids outside the special window
-        are an error.
+        Names come from an explicit ``special_tokens`` (offsets in the special window), else
+        from the config's ``added_tokens_decoder`` (absolute ids), else the K3 table. Config
+        ids outside the special window are an error.
         """
         ranks = load_tiktoken_ranks(os.path.join(path, "tiktoken.model"))
         num_base = len(ranks)

@@ -191,14 +191,14 @@ class K31ForCausalLM(nnx.Module):
                 h = prefix
             attn_out, c = mixer(row["is_mla"], row["mixer_slot"],
                                 _norms.rms_norm(h, norms.input_norm, cfg.rms_norm_eps), c)
-            prefix = prefix + attn_out
+            prefix = prefix + attn_out.astype(act)
             if cfg.use_attn_res:
                 h2 = attn_res_mix(blocks, n_blocks, prefix, norms.mlp_res_norm, norms.mlp_res_proj, cfg.rms_norm_eps)
             else:
                 h2 = prefix
             mlp_out, r_idx, r_w = ffn(row["is_moe"], row["ffn_slot"],
                                       _norms.rms_norm(h2, norms.post_norm, cfg.rms_norm_eps))
-            prefix = prefix + mlp_out
+            prefix = prefix + mlp_out.astype(act)
             out = None
             if return_intermediates:
                 out = dict(attn_in=h, attn_out=attn_out, mlp_in=h2, mlp_out=mlp_out, prefix=prefix,

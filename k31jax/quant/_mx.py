@@ -28,19 +28,25 @@ dtype are static):
 * Elements are clamped to +-max_elem, then cast with round-to-nearest-even
   (XLA's convert, bit-identical to ml_dtypes).
 * f32-subnormal inputs (0 < |x| < 2**-126) are flushed to +-0 by XLA on CPU
-  and GPU before they reach the multiply. The scale choice is unaffected (a
-  subnormal amax clamps to byte 0x00 under every rule either way); only an
-  element whose exact scaled value would be >= the element grid's first
-  non-zero point can differ, which needs |x| < 2**-126 inside a block whose
-  scale is 2**-127 .. 2**-118. Released weights never come near that range.
+  and GPU when they are scaled. The shared scale never depends on them (a
+  block whose amax is subnormal gets byte 0x00 under every rule either way).
+  An element code can differ from exact OCP arithmetic only in a block whose
+  scale is below 2**-124 (e2m1), 2**-116 (e4m3) or 2**-109 (e5m2); with a
+  larger scale the exact scaled value rounds to +-0 anyway.
+* Near the top of the f32 range, rceil/even may pick a scale for which the
+  block max rounds up to a value above f32 max (e.g. 1.75 * 2**127 -> code 4.0
+  at scale 2**126 = 2**128); such elements dequantise to +-Inf in f32.
 
 Dequantisation ``value(code) * 2**(byte - 127)`` is computed as
-``(value * 2**a) * 2**b`` with ``a + b = byte - 127``, both factors normal.
+``(value * 2**a) * 2**b`` with ``a + b = byte - 127``, both factors normal f32.
 Guarantee: the result is **exact** whenever the exact product is zero or a
-normal f32 (|v| >= 2**-126), in particular for scale bytes 0..2. Products with
-0 < |v| < 2**-126 are f32 subnormals and come out as +-0 under XLA's
-flush-to-zero (exact on a backend that does not flush). Products above the f32
-range give +-Inf. Byte 0xFF gives NaN for the whole block.
+normal f32 (|v| >= 2**-126); in particular scale bytes 0x00..0x02 (2**-127,
+an f32 subnormal, to 2**-125) decode exactly wherever the product is normal,
+e.g. e2m1 code 4.0 at byte 0x00 gives 2**-125. Products with
+0 < |v| < 2**-126 are f32 subnormals and come out as +-0 (sign kept) under
+XLA's flush-to-zero; a backend that does not flush returns the exact value. For
+e2m1 that is only codes 0.5/1/1.5 at byte 0x00 and 0.5 at byte 0x01. Products
+above the f32 range give +-Inf. Byte 0xFF gives NaN for the whole block.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from k31jax.quant._mx import (
     _as_u8_scale,
     apply_scale_blocks,
     block_scale_bytes,
+    encode_elements,
     scale_blocks,
 )
 
@@ -54,7 +55,19 @@ def pack_fp4(codes: UInt8[Array, "*B n"]) -> UInt8[Array, "*B n/2"]:
     if n % 2:
         raise ValueError(f"pack_fp4: last axis of shape {codes.shape} has odd length {n}")
     pairs = (codes & 0xF).reshape(*codes.shape[:-1], n // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    if xp is np:
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+    return _pack_pairs(pairs)
+
+
+def _pack_pairs(pairs: jax.Array) -> jax.Array:
+    """uint8 nibbles [..., m, 2] -> bytes [..., m] (low nibble = [..., 0]).
+
+    Written as a weighted sum over the pair axis: XLA:CPU fuses it with the
+    producer, whereas the two stride-2 slices of ``lo | hi << 4`` made the
+    quantise+pack fusion ~5x slower.
+    """
+    return (pairs * jnp.array([1, 16], jnp.uint8)).sum(axis=-1, dtype=jnp.uint8)
 
 
 def unpack_fp4(packed: UInt8[Array, "*B m"]) -> UInt8[Array, "*B 2m"]:
@@ -65,6 +78,19 @@ def unpack_fp4(packed: UInt8[Array, "*B m"]) -> UInt8[Array, "*B 2m"]:
         raise TypeError(f"unpack_fp4: packed must be uint8, got {packed.dtype}")
     codes = xp.stack([packed & 0xF, packed >> 4], axis=-1)
     return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _e2m1_to_f32(c: jax.Array) -> jax.Array:
+    """E2M1 codes (uint8, low nibble) -> exact f32, by bit construction.
+
+    ``s e1 e0 m``: e = 0 gives 0.5 * m (f32 0x3F000000 or 0); e > 0 gives an f32
+    with biased exponent e + 126 and mantissa bit 22 = m; bit 3 -> bit 31.
+    """
+    c = c.astype(jnp.uint32)
+    m = c & 1
+    e = (c >> 1) & 3
+    mag = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return jax.lax.bitcast_convert_type(mag | ((c & 8) << 28), jnp.float32)
 
 
 def _check_packed_pair(packed_shape, scale_shape, block: int, name: str) -> None:
@@ -97,12 +123,14 @@ def mxfp4_dequantize_packed(
 ) -> Float[Array, "*B out in"]:
     """Dequantises packed MXFP4 weights ``[..., out, in/2]`` + ``[..., out, in/32]``.
 
-    This is the in-graph path the model's expert matmul calls: a bitcast
-    ``u8 -> float4_e2m1fn`` (low nibble first), a widening cast to f32, and a
-    broadcast multiply by the block scale in two exact power-of-two steps; the
-    result is cast to ``dtype`` (default bf16, exact for every E2M1 x E8M0
-    product in the normal range). Same numerics as :func:`dequantize`: scale byte
-    0xFF -> NaN, f32-subnormal products -> +-0, overflow -> +-Inf.
+    This is the in-graph path the model's expert matmul calls. Each nibble (low
+    first) is decoded by building its f32 bit pattern with integer ops (exact,
+    and ~1.5x faster on XLA:CPU than the equivalent ``u8 -> float4_e2m1fn``
+    bitcast + convert), then multiplied by the broadcast block scale in two exact
+    power-of-two steps and cast to ``dtype`` (default bf16, exact for every
+    E2M1 x E8M0 product in the normal range). Same numerics as
+    :func:`dequantize`: scale byte 0xFF -> NaN, f32-subnormal products -> +-0,
+    overflow -> +-Inf.
 
     Returns:
       ``dtype`` array ``[..., out, in]``.
@@ -112,7 +140,7 @@ def mxfp4_dequantize_packed(
         raise TypeError(f"mxfp4_dequantize_packed: packed must be uint8, got {packed.dtype}")
     scale = _as_u8_scale(scale, "mxfp4_dequantize_packed")
     _check_packed_pair(packed.shape, scale.shape, block, "mxfp4_dequantize_packed")
-    v = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).astype(jnp.float32)
+    v = jnp.stack([_e2m1_to_f32(packed & 0xF), _e2m1_to_f32(packed >> 4)], axis=-1)
     v = v.reshape(*scale.shape, block)  # [..., out, in/2, 2] -> [..., out, in/32, 32]
     out = apply_scale_blocks(v, scale)
     return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(dtype)
@@ -127,9 +155,8 @@ def mxfp4_quantize_packed(
 ) -> tuple[UInt8[Array, "*B out in_half"], UInt8[Array, "*B out in_blocks"]]:
     """MXFP4-quantises ``w`` along its last axis and packs it.
 
-    Same numerics as ``quantize(w, "e2m1", rule=rule)`` followed by
-    :func:`pack_fp4`, but casts straight to ``float4_e2m1fn`` pairs and bitcasts
-    them to bytes.
+    Same result as ``pack_fp4(quantize(w, "e2m1", rule=rule)[0])`` and the scale
+    bytes, in one fused pass over ``w``.
 
     Returns:
       ``(packed uint8 [..., out, in/2], scale uint8 [..., out, in/32])``.
@@ -144,8 +171,8 @@ def mxfp4_quantize_packed(
     wb = w.reshape(*w.shape[:-1], w.shape[-1] // block, block)
     sb = block_scale_bytes(wb, _E2M1, rule)
     y = scale_blocks(wb, sb, _E2M1)
-    y = y.reshape(*w.shape[:-1], w.shape[-1] // 2, 2).astype(jnp.float4_e2m1fn)
-    return jax.lax.bitcast_convert_type(y, jnp.uint8), sb
+    codes = encode_elements(y, _E2M1).reshape(*w.shape[:-1], w.shape[-1] // 2, 2)
+    return _pack_pairs(codes), sb
 
 
 @jax.jit

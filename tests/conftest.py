@@ -1,0 +1,48 @@
+"""Test setup: 8 fake CPU devices (before any JAX op) and shared fixtures."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from k31jax import K31ForCausalLM, ModelConfig  # noqa: E402
+
+
+def randomize(model, seed: int, scale: float = 0.05):
+    """Perturb every parameter (zeros included) so no part of the model is trivially inert."""
+    state = nnx.state(model, nnx.Param)
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(state)
+    new = [jax.numpy.asarray((np.asarray(l, np.float32) + scale * rng.standard_normal(l.shape)).astype(l.dtype))
+           for l in leaves]
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return model
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig.preset("tiny", dtype="float32", **overrides)
+
+
+def kimi_linear_tiny_config(**overrides) -> ModelConfig:
+    """A tiny Kimi Linear: softplus gate, low-rank output gate, ungated MLA with plain q_proj,
+    plain residuals, SwiGLU, no latent MoE, scaling 2.446."""
+    base = tiny_config()
+    return base.replace(
+        kda_gate_lower_bound=None, kda_full_rank_gate=False, kda_a_log_len=base.kda_num_heads,
+        q_lora_rank=None, mla_use_output_gate=False, attn_res_block_size=None, hidden_act="silu",
+        activation_situ_linear_beta=None, routed_expert_hidden_size=None, routed_scaling_factor=2.446,
+        num_shared_experts=1, index_topk=None, index_n_heads=0, index_head_dim=0, **overrides)
+
+
+@pytest.fixture
+def make_model():
+    def make(cfg, seed=0, scale=0.05):
+        return randomize(K31ForCausalLM(cfg, rngs=nnx.Rngs(seed)), seed + 1, scale)
+    return make
