@@ -90,6 +90,15 @@ class ModelConfig:
     initializer_range: float = 0.02
     # Storage dtype of the non-f32 parameters and the activation dtype.
     dtype: str = "bfloat16"
+    # Routed experts: "mxfp4" keeps them packed (uint8 E2M1 pairs + E8M0 scales, dequantised
+    # inside the jitted matmul); "bf16" holds them unquantised in `dtype`.
+    expert_weights: str = "bf16"
+    # "mxfp8" quantise-dequantises the routed experts' GEMM inputs per 32-block (E4M3, rceil),
+    # as the served model does; "bf16" leaves them alone.
+    expert_activations: str = "bf16"
+    # QAT: float master expert weights, fake-quantised to MXFP4 (floor rule, straight-through
+    # gradient) in the forward pass. Requires expert_weights="bf16".
+    expert_qat: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -197,6 +206,16 @@ class ModelConfig:
             fail("intermediate_size", f"must be > 0 for the dense layers {self.dense_layers}")
         if self.use_attn_res and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be > 0 or None, got {self.attn_res_block_size}")
+        if self.expert_weights not in ("bf16", "mxfp4"):
+            fail("expert_weights", f"{self.expert_weights!r}, expected 'bf16' or 'mxfp4'")
+        if self.expert_activations not in ("bf16", "mxfp8"):
+            fail("expert_activations", f"{self.expert_activations!r}, expected 'bf16' or 'mxfp8'")
+        if self.expert_qat and self.expert_weights != "bf16":
+            fail("expert_qat", "QAT trains float master weights: set expert_weights='bf16'")
+        if self.expert_weights == "mxfp4" and self.moe_layers and (
+                self.moe_intermediate_size % 32 or self.expert_in_dim % 32):
+            fail("expert_weights", f"mxfp4 needs expert widths divisible by 32, got "
+                 f"moe_intermediate_size={self.moe_intermediate_size}, expert input={self.expert_in_dim}")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             fail("dtype", f"{self.dtype!r}, expected 'bfloat16', 'float32' or 'float16'")
 
@@ -335,6 +354,7 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         max_position_embeddings=int(text.get("max_position_embeddings", 1 << 20)),
         initializer_range=float(text.get("initializer_range", 0.02)),
         dtype=str(text.get("dtype", raw.get("dtype", "bfloat16"))),
+        expert_weights="mxfp4" if _is_mxfp4(text.get("quantization_config")) else "bf16",
     )
     if fields["index_topk"] is not None and (not fields["index_n_heads"] or not fields["index_head_dim"]):
         raise ConfigError("index_topk is set but index_n_heads / index_head_dim are missing")
@@ -343,6 +363,21 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
     if act == "silu":
         fields["activation_situ_linear_beta"] = None
     return fields
+
+
+def _is_mxfp4(qc) -> bool:
+    """Whether a compressed-tensors quantization_config declares MXFP4 (experts only, in
+    practice: the converter decides per tensor, checkpoint_format.md §4)."""
+    if not isinstance(qc, dict):
+        return False
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()
+                                    if isinstance(g, dict)}
+    if "mxfp4-pack-quantized" in formats:
+        return True
+    if qc.get("quant_method") in ("compressed-tensors", "mxfp4") or formats - {None}:
+        raise ConfigError(f"quantization_config: unsupported format {sorted(f for f in formats if f)} / "
+                          f"quant_method {qc.get('quant_method')!r}; k31jax reads mxfp4-pack-quantized")
+    return False
 
 
 def _layer_types(text: dict, lac: dict, num_layers: int) -> tuple[LayerType, ...]:

@@ -27,7 +27,7 @@ def randomize(model, seed: int, scale: float = 0.05):
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    return ModelConfig.preset("tiny", dtype="float32", **overrides)
+    return ModelConfig.preset("tiny", **{"dtype": "float32", **overrides})
 
 
 def kimi_linear_tiny_config(**overrides) -> ModelConfig:

@@ -26,6 +26,12 @@ except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
     import refs as R
 
 
+def abstract(cls, *args):
+    """The module with abstract parameters (no random init, which compiles per shape); every
+    parameter is then filled from NumPy, so a leftover abstract leaf would fail loudly."""
+    return nnx.eval_shape(lambda: cls(*args, rngs=nnx.Rngs(0)))
+
+
 def rel_err(got, want):
     """max |got - want| / max(1, max |want|)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -111,7 +117,7 @@ class Built:
     """A randomised MLAMixer plus a jitted functional forward."""
 
     def __init__(self, cfg, pure=None, seed=0):
-        model = MLAMixer(cfg, rngs=nnx.Rngs(0))
+        model = abstract(MLAMixer, cfg)
         if pure is None:
             pure = random_params(model, np.random.default_rng(seed))
         set_params(model, pure)
@@ -133,7 +139,7 @@ class Built:
 def dsa_weights():
     """One set of DSA weights (index_topk = 8) shared by the dense and DSA variants below."""
     cfg = mla_cfg(index_topk=8)
-    return random_params(MLAMixer(cfg, rngs=nnx.Rngs(0)), np.random.default_rng(5))
+    return random_params(abstract(MLAMixer, cfg), np.random.default_rng(5))
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,7 +176,7 @@ def test_mla_mixer_vs_reference(q_lora, gate):
 def test_mla_output_gate_matters():
     """Guards the gate parametrisation: the gate weights really change the output."""
     m = built((True, True))
-    x = xs(2, 1, 9)
+    x = xs(1, 2, 13)
     hf_nogate = {k: v for k, v in m.hf.items() if k != "g_proj.weight"}
     with_gate = R.mla_layer(x[0], m.hf, ref_cfg(m.cfg))
     without = R.mla_layer(x[0], hf_nogate, ref_cfg(m.cfg))
@@ -233,7 +239,8 @@ def test_sparse_gather_equals_masked_absorbed_ops():
         for ti in range(t):
             want_mask[bi, ti, idx[bi, ti][valid[bi, ti]]] = True
     np.testing.assert_array_equal(mask, want_mask)
-    sparse = _mla.mla_attention_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale)
+    sparse = jax.jit(_mla.mla_attention_sparse, static_argnames="scale")(
+        q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale=scale)
     want = _f64_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, mask, scale)
     assert rel_err(sparse, want) < 1e-5, rel_err(sparse, want)
 
@@ -381,10 +388,9 @@ T_DSA = 26
 def test_dsa_topk_ge_T_is_bitwise_dense():
     x = xs(3, 2, T_DSA)
     dense = np.asarray(built("dense")(x)[0])
-    # no cache: index_topk == T (the boundary) and > T
-    for topk in (T_DSA, T_DSA + 9):
-        y = np.asarray(built("dsa", topk)(x, sparse_impl="mask")[0])
-        np.testing.assert_array_equal(y, dense)
+    # no cache, index_topk == T (the boundary case)
+    y = np.asarray(built("dsa", T_DSA)(x, sparse_impl="mask")[0])
+    np.testing.assert_array_equal(y, dense)
     # ops level: the selection mask for top-k >= T is exactly causal, so the masked MLA is bitwise
     (q, w, k), _ = _indexer_setup(1, b=2, t=T_DSA)
     idx, valid = _indexer.select_topk(q, w, k, jnp.arange(T_DSA), jnp.ones((2, T_DSA), bool), T_DSA)

@@ -26,6 +26,12 @@ except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
     import refs as R
 
 
+def abstract(cls, *args):
+    """The module with abstract parameters (no random init, which compiles per shape); every
+    parameter is then filled from NumPy, so a leftover abstract leaf would fail loudly."""
+    return nnx.eval_shape(lambda: cls(*args, rngs=nnx.Rngs(0)))
+
+
 def rel_err(got, want):
     """max |got - want| / max(1, max |want|): absolute for O(1) tensors, relative for big ones.
 
@@ -312,7 +318,7 @@ def build_kda(variant):
     the module builds for None), which keeps the number of compiled shapes small.
     """
     cfg = kda_cfg(variant)
-    model = KDAMixer(cfg, rngs=nnx.Rngs(0))
+    model = abstract(KDAMixer, cfg)
     hf = randomise_kda(model, cfg, np.random.default_rng(42 if variant == "full_rank_lb" else 43))
     graphdef, state = nnx.split(model)
 

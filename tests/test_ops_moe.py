@@ -22,6 +22,12 @@ except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
     import refs as R
 
 
+def abstract(cls, *args):
+    """The module with abstract parameters (no random init, which compiles per shape); every
+    parameter is then filled from NumPy, so a leftover abstract leaf would fail loudly."""
+    return nnx.eval_shape(lambda: cls(*args, rngs=nnx.Rngs(0)))
+
+
 def rel_err(got, want):
     """max |got - want| / max(1, max |want|)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -272,7 +278,7 @@ def moe_ref_cfg(cfg):
 @functools.lru_cache(maxsize=None)
 def built_moe(kind):
     cfg = moe_cfg(kind)
-    model = LatentMoE(cfg, rngs=nnx.Rngs(0))
+    model = abstract(LatentMoE, cfg)
     pure = randomise(model, np.random.default_rng(30 if kind == "latent" else 31))
     graphdef, state = nnx.split(model)
 
@@ -312,20 +318,20 @@ def test_latent_moe_adversarial_routing(impl):
     k = cfg.num_experts_per_token
     bias = np.zeros(cfg.num_experts, np.float32)
     bias[:k] = 1e3
-    model = LatentMoE(cfg, rngs=nnx.Rngs(0))
+    model = abstract(LatentMoE, cfg)
     set_params(model, dict(pure, gate_bias=bias))
     _, state = nnx.split(model)
     hf = dict(moe_hf(pure), e_score_correction_bias=bias)
-    x = np.random.default_rng(4).standard_normal((1, 17, cfg.hidden_size)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((2, 11, cfg.hidden_size)).astype(np.float32)
     y, idx, w = fwd(state, x, impl)
-    flat = x[0]
-    idx, w = by_expert(np.asarray(idx)[0], np.asarray(w)[0])
+    flat = x.reshape(-1, cfg.hidden_size)
+    idx, w = by_expert(np.asarray(idx).reshape(22, k), np.asarray(w).reshape(22, k))
     np.testing.assert_array_equal(idx, np.tile(np.arange(k), (flat.shape[0], 1)))
     s = R.sigmoid(flat.astype(np.float64) @ hf["gate"].T.astype(np.float64))[:, :k]
     np.testing.assert_allclose(w, s / s.sum(-1, keepdims=True) * cfg.routed_scaling_factor,
                                rtol=1e-5)
     want = R.latent_moe(flat, hf, moe_ref_cfg(cfg))
-    assert rel_err(np.asarray(y)[0], want) < 1e-5
+    assert rel_err(np.asarray(y).reshape(flat.shape), want) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -334,7 +340,7 @@ def test_dense_mlp_vs_reference(act):
     if act == "silu":
         over.update(hidden_act="silu", activation_situ_linear_beta=None)
     cfg = ModelConfig.preset("tiny").replace(**over)
-    model = DenseMLP(cfg, 28, rngs=nnx.Rngs(0))
+    model = abstract(DenseMLP, cfg, 28)
     pure = randomise(model, np.random.default_rng(5))
     x = np.random.default_rng(6).standard_normal((2, 7, 40)).astype(np.float32) * 3
     y = np.asarray(nnx.jit(lambda m, xx: m(xx))(model, x))

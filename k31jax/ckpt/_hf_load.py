@@ -54,6 +54,25 @@ def _expert_value(index: SafetensorsIndex, prefix: str, used: set[str]) -> np.nd
                           f"{prefix}.weight, or {prefix}.weight_packed + .weight_scale)")
 
 
+def _packed_experts(index: SafetensorsIndex, src: Source, used: set[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Stack per-expert `weight_packed` / `weight_scale` bytes into `[E, out, in/2]`, `[E, out, in/32]`."""
+    packed, scale = [], []
+    for prefix in src.names:
+        p, s = prefix + ".weight_packed", prefix + ".weight_scale"
+        if p not in index or s not in index:
+            raise CheckpointError(f"{index.root}: missing routed expert weight {prefix!r}: expert_weights="
+                                  f"'mxfp4' needs {p} and {s} (load bf16 experts with expert_weights='bf16')")
+        pa, sa = index[p], index[s]
+        if pa.dtype != np.uint8 or sa.dtype != np.uint8:
+            raise CheckpointError(f"{prefix}: weight_packed/weight_scale must be U8, got {pa.dtype}/{sa.dtype}")
+        if (np.asarray(sa) == 0xFF).any():
+            raise CheckpointError(f"{s}: contains the E8M0 NaN byte 0xFF")
+        used.update((p, s))
+        packed.append(np.asarray(pa))
+        scale.append(np.asarray(sa))
+    return np.stack(packed), np.stack(scale)
+
+
 def _source_value(index: SafetensorsIndex, src: Source, cfg: ModelConfig, used: set[str]) -> np.ndarray:
     if src.transform == "experts":
         return np.stack([_expert_value(index, p, used) for p in src.names])
@@ -91,21 +110,43 @@ def _get(tree, path):
     return tree
 
 
+def _assign(arrays, filled, path, slot, value, index, names=()) -> None:
+    """Write one source's value into its (slice of a) parameter, checking the shape."""
+    dest = _get(arrays, path)
+    want = dest.shape if slot is None else dest.shape[1:]
+    if value.shape != want:
+        what = names[0] + (" …" if len(names) > 1 else "") if names else "/".join(path)
+        raise CheckpointError(f"{index.root}: {what} gives {'/'.join(path)} shape {list(value.shape)}, "
+                              f"expected {list(want)} from config.json")
+    if slot is None:
+        dest[...] = value.astype(dest.dtype)
+        _get(filled, path)[...] = True
+    else:
+        dest[slot] = value.astype(dest.dtype)
+        _get(filled, path)[slot] = True
+
+
 def load_hf_weights(
     path: str | os.PathLike,
     config: ModelConfig | None = None,
     *,
     dtype: str | None = None,
+    **overrides,
 ) -> K31ForCausalLM:
     """Build `K31ForCausalLM` from a safetensors checkpoint folder (`config.json` + weights).
 
-    MXFP4 experts are decoded exactly. `dtype` overrides the parameter/activation dtype
-    (e.g. "float32" for exact comparisons); f32 tensors of the release stay f32.
+    MXFP4 experts stay packed when the config says `expert_weights="mxfp4"` (the default for
+    the release config) and are decoded exactly with `expert_weights="bf16"`. `dtype`
+    overrides the parameter/activation dtype (e.g. "float32" for exact comparisons); f32
+    tensors of the release stay f32. Other keyword arguments override config fields
+    (e.g. `expert_weights="bf16"`, `index_topk=None`).
     """
     path = Path(path)
     cfg = config or ModelConfig.from_hf(path)
     if dtype is not None:
-        cfg = cfg.replace(dtype=str(jnp.dtype(dtype)))
+        overrides["dtype"] = str(jnp.dtype(dtype))
+    if overrides:
+        cfg = cfg.replace(**overrides)
     index = SafetensorsIndex(path)
     abstract = nnx.eval_shape(lambda: K31ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
@@ -118,18 +159,12 @@ def load_hf_weights(
             dest = _get(arrays, src.path)
         except KeyError:
             raise CheckpointError(f"internal: no parameter {'/'.join(src.path)} for config") from None
+        if isinstance(dest, dict):  # packed MXFP4 experts: copy the bytes verbatim
+            for part, value in zip(("packed", "scale"), _packed_experts(index, src, used)):
+                _assign(arrays, filled, src.path + (part,), src.slot, value, index)
+            continue
         value = _source_value(index, src, cfg, used)
-        want = dest.shape if src.slot is None else dest.shape[1:]
-        if value.shape != want:
-            raise CheckpointError(
-                f"{index.root}: {src.names[0] if len(src.names) == 1 else src.names[0] + ' …'} gives "
-                f"{'/'.join(src.path)} shape {list(value.shape)}, expected {list(want)} from config.json")
-        if src.slot is None:
-            dest[...] = value.astype(dest.dtype)
-            _get(filled, src.path)[...] = True
-        else:
-            dest[src.slot] = value.astype(dest.dtype)
-            _get(filled, src.path)[src.slot] = True
+        _assign(arrays, filled, src.path, src.slot, value, index, src.names)
     unused = sorted(n for n in index.names() if n not in used and not n.startswith(_NON_TEXT_PREFIXES))
     if unused:
         raise CheckpointError(f"{index.root}: {len(unused)} tensors are not used by the config "

@@ -8,7 +8,34 @@ from flax import nnx
 from ..config import ModelConfig
 from ..ops import _moe, _norms, _router
 from ..ops._activations import glu
-from ._param import constant, normal
+from ._param import constant, normal, param
+
+
+class PackedExperts(nnx.Module):
+    """Stacked MXFP4 expert weights `[E, out, in]`, held packed: `packed` uint8
+    `[E, out, in/2]` (low nibble = even element) and `scale` uint8 E8M0 `[E, out, in/32]`."""
+
+    def __init__(self, packed, scale, axes):
+        self.packed = param(packed, axes)
+        self.scale = param(scale, axes)
+
+    def weight(self) -> _moe.MXFP4Weight:
+        return _moe.MXFP4Weight(self.packed[...], self.scale[...])
+
+
+def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
+    """A routed-expert weight in the config's storage format (random init: N(0, σ))."""
+    w = normal(rngs, shape, cfg.initializer_range, jnp.float32, axes)
+    if cfg.expert_weights == "bf16":
+        return param(w[...].astype(jnp.dtype(cfg.dtype)), axes)
+    from ..quant import mxfp4_quantize_packed
+
+    packed, scale = mxfp4_quantize_packed(w[...])
+    return PackedExperts(packed, scale, axes)
+
+
+def _weight_value(w):
+    return w.weight() if isinstance(w, PackedExperts) else w[...]
 
 
 class DenseMLP(nnx.Module):
@@ -44,9 +71,9 @@ class LatentMoE(nnx.Module):
             if cfg.latent_moe_use_norm:
                 self.latent_norm = constant((ell,), 1.0, dt, ("norm",))
             self.latent_up = normal(rngs, (ell, d), std, dt, ("latent", "embed"))
-        self.w_gate = normal(rngs, (e, i, ell), std, dt, ("expert", "expert_mlp", "latent"))
-        self.w_up = normal(rngs, (e, i, ell), std, dt, ("expert", "expert_mlp", "latent"))
-        self.w_down = normal(rngs, (e, ell, i), std, dt, ("expert", "latent", "expert_mlp"))
+        self.w_gate = _expert_weight(rngs, (e, i, ell), cfg, ("expert", "expert_mlp", "latent"))
+        self.w_up = _expert_weight(rngs, (e, i, ell), cfg, ("expert", "expert_mlp", "latent"))
+        self.w_down = _expert_weight(rngs, (e, ell, i), cfg, ("expert", "latent", "expert_mlp"))
         self.shared = (DenseMLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
                        if cfg.num_shared_experts else None)
 
@@ -66,9 +93,11 @@ class LatentMoE(nnx.Module):
         idx, weights = self.route(flat)
         u_in = flat @ self.latent_down[...] if c.latent_moe else flat
         u = _moe.routed_experts(
-            u_in, idx, weights, self.w_gate[...], self.w_up[...], self.w_down[...],
+            u_in, idx, weights, *(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down)),
             hidden_act=c.hidden_act, beta_gate=c.activation_situ_beta,
-            beta_up=c.activation_situ_linear_beta, impl=impl).astype(x.dtype)
+            beta_up=c.activation_situ_linear_beta, impl=impl,
+            weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8",
+        ).astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:
                 u = _norms.rms_norm(u, self.latent_norm[...], c.rms_norm_eps)

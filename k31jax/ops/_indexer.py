@@ -97,4 +97,5 @@ def selection_mask(idx: Int[Array, "B T K"], valid: Bool[Array, "B T K"], s_len:
     b, t, _ = idx.shape
     bi = jnp.arange(b)[:, None, None]
     ti = jnp.arange(t)[None, :, None]
-    return jnp.zeros((b, t, s_len), bool).at[bi, ti, idx].set(valid)
+    # add, not set: an invalid slot may repeat a valid slot's index and must not clear it
+    return jnp.zeros((b, t, s_len), jnp.int32).at[bi, ti, idx].add(valid.astype(jnp.int32)) > 0

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
+from ..quant import fake_quant as fake_quant_weight
+from ..quant import mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
 
 
@@ -27,11 +29,13 @@ class MXFP4Weight(NamedTuple):
 ExpertWeight = Array | MXFP4Weight
 
 
-def materialize(w: ExpertWeight, dtype) -> Array:
-    """The float value of an expert weight (dequantises MXFP4 in-graph)."""
+def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
+    """The float value of an expert weight: MXFP4 is dequantised in-graph; with `fake_quant`
+    a float weight is quantise-dequantised to MXFP4 along `in` (QAT, straight-through grad)."""
     if isinstance(w, MXFP4Weight):
-        from ..quant import mxfp4_dequantize_packed  # local: quant imports nothing from here
         return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
+    if fake_quant:
+        return fake_quant_weight(w, "e2m1", "floor").astype(dtype)
     return w.astype(dtype)
 
 
@@ -61,10 +65,11 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
 
 
 def grouped_matmul(
-    x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"]
+    x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
+    weight_fake_quant: bool = False,
 ) -> Float[Array, "M out"]:
     """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc)."""
-    w = materialize(w, x_sorted.dtype)
+    w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _RAGGED_DN,
                                    preferred_element_type=jnp.float32)
     return y.astype(x_sorted.dtype)
@@ -92,8 +97,14 @@ def routed_experts(
     beta_gate: float = 4.0,
     beta_up: float | None = 25.0,
     impl: str = "auto",
+    weight_fake_quant: bool = False,
+    activation_fake_quant: bool = False,
 ) -> Float[Array, "N d"]:
     """`Σ_k p_k · w_down_e(act(w_gate_e x, w_up_e x))` over each token's chosen experts (fp32).
+
+    Weights are float `[E, out, in]` or `MXFP4Weight`. `weight_fake_quant` fake-quantises
+    float weights to MXFP4 (QAT); `activation_fake_quant` rounds each GEMM input to MXFP8
+    (E4M3, rceil scales, blocks of 32 along the contraction axis).
 
     impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training).
     impl="gather": gather each assignment's weights and run a batched matmul; reads only the
@@ -108,20 +119,30 @@ def routed_experts(
     def act(g, u):
         return glu(g, u, hidden_act, beta_gate, beta_up)
 
+    def qin(a):
+        return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
+
     if impl == "ragged":
         xs, order, sizes = permute(x, idx, num_experts)
-        h = act(grouped_matmul(xs, w_gate, sizes), grouped_matmul(xs, w_up, sizes))
-        return combine(grouped_matmul(h, w_down, sizes), order, weights)
+        xs = qin(xs)
+
+        def gmm(inp, w):
+            return grouped_matmul(inp, w, sizes, weight_fake_quant)
+
+        h = act(gmm(xs, w_gate), gmm(xs, w_up))
+        return combine(gmm(qin(h), w_down), order, weights)
     if impl == "gather":
         flat = idx.reshape(-1)
-        xs = jnp.repeat(x, k, axis=0)
+        xs = qin(jnp.repeat(x, k, axis=0))
 
         def bmm(inp, w):
+            if weight_fake_quant:  # quantise each expert once, before the per-assignment gather
+                w = materialize(w, inp.dtype, fake_quant=True)
             wm = materialize(take_experts(w, flat), inp.dtype)
             return jnp.einsum("mi,moi->mo", inp, wm, preferred_element_type=jnp.float32).astype(inp.dtype)
 
         h = act(bmm(xs, w_gate), bmm(xs, w_up))
-        y = bmm(h, w_down).astype(jnp.float32).reshape(n, k, -1)
+        y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
                           precision=jax.lax.Precision.HIGHEST)
     raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged' or 'gather'")
