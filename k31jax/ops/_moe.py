@@ -75,6 +75,42 @@ def grouped_matmul(
     return y.astype(x_sorted.dtype)
 
 
+def grouped_matmul_blocked(
+    x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
+    weight_fake_quant: bool = False, block: int = 32,
+) -> Float[Array, "M out"]:
+    """The same product as `grouped_matmul`, as a loop over row blocks that each belong to
+    one expert (groups padded to a multiple of `block`); unused tail blocks are skipped.
+
+    XLA:CPU lowers `ragged_dot` to roughly one dense matmul per group over all rows (E times
+    the work); this form does ~one matmul's worth, so it is the CPU default.
+    """
+    m = x_sorted.shape[0]
+    w = materialize(w, x_sorted.dtype, weight_fake_quant)
+    e = w.shape[0]
+    padded = -(-group_sizes // block) * block
+    pad_end = jnp.cumsum(padded)
+    pad_start = pad_end - padded
+    start = jnp.cumsum(group_sizes) - group_sizes
+    row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+    dest = pad_start[row_expert] + jnp.arange(m) - start[row_expert]
+    n_blocks = -(-(m + e * (block - 1)) // block)
+    x_pad = jnp.zeros((n_blocks * block, x_sorted.shape[1]), x_sorted.dtype).at[dest].set(x_sorted)
+    block_start = jnp.arange(n_blocks) * block
+    block_expert = jnp.minimum(jnp.searchsorted(pad_end, block_start, side="right"), e - 1)
+    used = block_start < pad_end[-1]
+
+    def one_block(args):
+        xb, eb, live = args
+        return jax.lax.cond(
+            live,
+            lambda: jnp.dot(xb, w[eb].T, preferred_element_type=jnp.float32).astype(xb.dtype),
+            lambda: jnp.zeros((block, w.shape[1]), xb.dtype))
+
+    y = jax.lax.map(one_block, (x_pad.reshape(n_blocks, block, -1), block_expert, used))
+    return y.reshape(n_blocks * block, -1)[dest]
+
+
 def combine(
     y_sorted: Float[Array, "M d"], order: Int[Array, "M"], weights: Float[Array, "N K"]
 ) -> Float[Array, "N d"]:
@@ -106,15 +142,23 @@ def routed_experts(
     float weights to MXFP4 (QAT); `activation_fake_quant` rounds each GEMM input to MXFP8
     (E4M3, rceil scales, blocks of 32 along the contraction axis).
 
-    impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training).
+    impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training on GPU/TPU).
+    impl="blocked": the same sort, then a loop over expert-homogeneous row blocks (CPU).
     impl="gather": gather each assignment's weights and run a batched matmul; reads only the
     chosen experts, which is what decode with few tokens wants.
-    impl="auto": "gather" when there are fewer assignments than experts, else "ragged".
+    impl="auto": "gather" when there are fewer assignments than experts, else "blocked" on
+    CPU and "ragged" elsewhere.
     """
     n, k = idx.shape
     num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
     if impl == "auto":
-        impl = "gather" if n * k < num_experts else "ragged"
+        if n * k < num_experts:
+            impl = "gather"
+        else:
+            # XLA:CPU's ragged_dot does ~E dense matmuls; worth avoiding once they are big
+            big = num_experts * n * k * x.shape[-1] * (w_gate.packed.shape[1] if isinstance(w_gate, MXFP4Weight)
+                                                       else w_gate.shape[1]) > 1 << 26
+            impl = "blocked" if big and jax.default_backend() == "cpu" else "ragged"
 
     def act(g, u):
         return glu(g, u, hidden_act, beta_gate, beta_up)
@@ -122,12 +166,13 @@ def routed_experts(
     def qin(a):
         return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
 
-    if impl == "ragged":
+    if impl in ("ragged", "blocked"):
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
+        matmul = grouped_matmul if impl == "ragged" else grouped_matmul_blocked
 
         def gmm(inp, w):
-            return grouped_matmul(inp, w, sizes, weight_fake_quant)
+            return matmul(inp, w, sizes, weight_fake_quant)
 
         h = act(gmm(xs, w_gate), gmm(xs, w_up))
         return combine(gmm(qin(h), w_down), order, weights)
@@ -145,4 +190,4 @@ def routed_experts(
         y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
                           precision=jax.lax.Precision.HIGHEST)
-    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged' or 'gather'")
+    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged', 'blocked' or 'gather'")
