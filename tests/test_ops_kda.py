@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -51,15 +50,13 @@ def ref_batched(fn, *arrays, **kw):
     return np.stack(outs)
 
 
-def kda_inputs(rng, b, t, h, dk, dv, *, gate="lb", state_scale=0.5):
-    """Normalised q (scaled) / k, v, a log-decay g ≤ 0, β ∈ (0, 1) and a random initial state."""
+def kda_inputs(rng, b, t, h, dk, dv, *, state_scale=0.5):
+    """Normalised q (scaled) / k, v, a lower-bounded log-decay g ∈ (-5, 0), β ∈ (0, 1) and a
+    random initial state."""
     q = R.l2_normalize(rng.standard_normal((b, t, h, dk))) * dk ** -0.5
     k = R.l2_normalize(rng.standard_normal((b, t, h, dk)))
     v = rng.standard_normal((b, t, h, dv))
-    if gate == "lb":
-        g = -5.0 * R.sigmoid(rng.standard_normal((b, t, h, dk)) * 2.0)
-    else:
-        g = -rng.uniform(0.0, 1.0, (b, t, h, dk))
+    g = -5.0 * R.sigmoid(rng.standard_normal((b, t, h, dk)) * 2.0)
     beta = R.sigmoid(rng.standard_normal((b, t, h)))
     s0 = rng.standard_normal((b, h, dk, dv)) * state_scale
     return [a.astype(np.float32) for a in (q, k, v, g, beta, s0)]
@@ -123,7 +120,8 @@ def test_chunked_recurrent_bf16_inputs(t, chunk):
 
 
 def test_softplus_gate_g_minus_30_no_overflow():
-    """Softplus gate with a large A_log: g = -30 on a whole head; Γ reaches ~-1900 per chunk."""
+    """Softplus gate, large A_log: channels at g = -30 exactly (Γ = -1920 over a 64-chunk, so a
+    factored e^{-Γ} would overflow fp32) and others below -100."""
     rng = np.random.default_rng(3)
     b, t, h, dk, dv = 2, 130, 2, 16, 12
     q, k, v, _, beta, s0 = kda_inputs(rng, b, t, h, dk, dv)
@@ -164,7 +162,7 @@ def test_kda_gate_vs_ref(lower_bound):
     assert (got <= 0).all()
     if lower_bound is not None:
         assert (got >= lower_bound).all()
-    if lower_bound is not None:  # dt_bias goes in before the exp(A_log) scaling
+        # dt_bias goes in before the exp(A_log) scaling; the other order is a different gate
         a = np.exp(a_log[:h].astype(np.float64))[:, None]
         wrong = lower_bound * R.sigmoid(a * z + dt_bias.reshape(h, dk))
         assert np.max(np.abs(got - wrong)) > 1e-2
@@ -222,11 +220,6 @@ def test_right_padding_matches_unpadded():
     o_u, s_u = ref_batched(R.kda_recurrent, q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0)
     assert rel_err(np.asarray(o_p)[:, sl], o_u) < 1e-5
     assert rel_err(s_p, s_u) < 1e-5
-    # the padded steps are identities in the recurrent form too: state after real == final state
-    _, s_real = _recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0)
-    _, s_tail = _recurrent(q[:, n_real:], k[:, n_real:], v[:, n_real:], gm[:, n_real:],
-                           bm[:, n_real:], s_real)
-    np.testing.assert_array_equal(np.asarray(s_tail), np.asarray(s_real))
 
 
 # ------------------------------------------------------------------ short conv
@@ -266,8 +259,8 @@ def kda_cfg(variant):
 
 def randomise_kda(model, cfg, rng):
     """Fill every parameter with numpy randoms; return the HF-layout dict for refs.kda_layer."""
-    d, h, dk = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
-    c = h * dk
+    h = cfg.kda_num_heads
+    c = h * cfg.kda_head_dim
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     new = {}
     for name, val in pure.items():
@@ -295,7 +288,7 @@ def randomise_kda(model, cfg, rng):
             hf[name.replace("_conv", "_conv1d") + ".weight"] = arr.T[:, None, :]  # [K,C] -> [C,1,K]
         elif name == "a_log":
             hf["A_log"] = arr
-        elif name in ("dt_bias",):
+        elif name == "dt_bias":
             hf["dt_bias"] = arr
         elif name == "o_norm":
             hf["o_norm.weight"] = arr
@@ -314,8 +307,9 @@ def ref_cfg(cfg):
 def build_kda(variant):
     """(cfg, hf params, nnx state, fwd) with fwd(state, x, s, conv, valid) jitted.
 
-    A fresh sequence is fed as an explicit zero state and zero conv window (the same thing
-    the module builds for None), which keeps the number of compiled shapes small.
+    A fresh sequence is fed as an explicit zero state and zero conv window (what the module
+    builds for None; the None paths are covered at op level), which keeps the number of
+    compiled shapes small.
     """
     cfg = kda_cfg(variant)
     model = abstract(KDAMixer, cfg)
@@ -351,8 +345,8 @@ def test_kda_mixer_vs_reference(variant):
     y, s, conv = fwd(state, x, *zeros_cache(cfg, b))
     for i in range(b):
         y_ref, s_ref, hist_ref = R.kda_layer(x[i], hf, ref_cfg(cfg))
-        assert rel_err(y[i], y_ref) < 1e-4, rel_err(y[i], y_ref)
-        assert rel_err(s[i], s_ref) < 1e-4, rel_err(s[i], s_ref)
+        assert rel_err(y[i], y_ref) < 1e-5, rel_err(y[i], y_ref)
+        assert rel_err(s[i], s_ref) < 1e-5, rel_err(s[i], s_ref)
         for j, br in enumerate("qkv"):  # conv cache [B, 3, C, K-1] holds pre-conv inputs
             np.testing.assert_allclose(np.asarray(conv[i, j]).T, hist_ref[br], rtol=1e-5, atol=1e-6)
     # continuing from a random state and conv window == the reference's continuation
@@ -363,7 +357,7 @@ def test_kda_mixer_vs_reference(variant):
         hist = {br: conv0[i, j].T for j, br in enumerate("qkv")}
         y_ref, s_ref, _ = R.kda_layer(x[i, :7], hf, ref_cfg(cfg), conv_history=hist,
                                       initial_state=s0[i])
-        assert rel_err(y2[i], y_ref) < 1e-4 and rel_err(s2[i], s_ref) < 1e-4
+        assert rel_err(y2[i], y_ref) < 1e-5 and rel_err(s2[i], s_ref) < 1e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -386,16 +380,6 @@ def test_kda_mixer_prefill_decode_matches_full(variant):
     # prefill continuation with T > 1 (chunked path with state + conv window as left context)
     y_b, s_b, _ = fwd(state, x[:, n_pre:], s_pre, conv_pre)
     assert rel_err(y_b, y_full[:, n_pre:]) < 1e-5 and rel_err(s_b, s_full) < 1e-5
-
-
-def test_kda_mixer_fresh_call_equals_zero_cache():
-    """`mixer(x)` (state=None, conv=None) is the same as an explicit zero state and window."""
-    cfg, _, state, fwd, graphdef = build_kda("full_rank_lb")
-    x = np.random.default_rng(8).standard_normal((2, 30, cfg.hidden_size)).astype(np.float32)
-    y0, s0, c0 = jax.jit(lambda st, xx: nnx.merge(graphdef, st)(xx))(state, x)
-    y1, s1, c1 = fwd(state, x, *zeros_cache(cfg, 2))
-    assert rel_err(y0, y1) < 1e-5 and rel_err(s0, s1) < 1e-5
-    np.testing.assert_allclose(np.asarray(c0), np.asarray(c1), rtol=1e-6, atol=1e-6)
 
 
 def test_kda_mixer_left_padding():

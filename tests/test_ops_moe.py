@@ -62,8 +62,9 @@ def router_fragile(x, w_gate_hf, bias, k, n_group=1, topk_group=1, tol=1e-5):
     return frag
 
 
-_route = jax.jit(_router.route, static_argnames=("top_k", "renormalize", "scaling", "activation",
-                                                 "n_group", "topk_group"))
+# scaling stays a traced argument: one compile serves both scaling factors
+_route = jax.jit(_router.route, static_argnames=("top_k", "renormalize", "activation", "n_group",
+                                                 "topk_group"))
 
 
 # ------------------------------------------------------------------ router

@@ -47,6 +47,8 @@ def select_topk(
     key_valid: Bool[Array, "B S"],
     top_k: int,
     key_block: int | None = None,
+    *,
+    impl: str = "xla",
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """Causal top-min(k, S) selection per query, the query's own position included.
 
@@ -54,7 +56,13 @@ def select_topk(
     `key_valid[b, s]`. Returns indices into the key axis and whether each slot holds a real
     candidate (early rows have fewer than k). With `key_block`, keys are streamed in blocks
     with a running top-k, so no `[T, S]` score matrix is ever built.
+    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — fused masked scores
+    from `k31jax.kernels.sparse_mla` then `lax.top_k` (decode; builds `[B, T, S]` scores).
     """
+    if impl != "xla":
+        from ..kernels.sparse_mla import select_topk as _kernel
+
+        return _kernel(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
     s_len = k.shape[1]
     kk = min(top_k, s_len)
 

@@ -73,11 +73,19 @@ def kda_recurrent(
     g: Float[Array, "B T H dk"],
     beta: Float[Array, "B T H"],
     initial_state: Float[Array, "B H dk dv"] | None = None,
+    *,
+    impl: str = "xla",
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
 
     q and k are used as given (already L2-normalised, q scaled). Used for decode steps; fp32.
+    impl: "xla" (this scan, the default) | "pallas" | "interpret" | "auto" — the fused decode-step
+    kernel of `k31jax.kernels.kda_chunk` ("auto": the kernel on GPU, this scan elsewhere).
     """
+    if impl != "xla":
+        from ..kernels.kda_chunk import kda_recurrent as _kernel
+
+        return _kernel(q, k, v, g, beta, initial_state, impl=impl)
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
@@ -102,13 +110,26 @@ def kda_chunked(
     beta: Float[Array, "B T H"],
     initial_state: Float[Array, "B H dk dv"] | None = None,
     chunk_size: int = 64,
+    *,
+    impl: str = "xla",
+    lower_bound: float | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """Chunked WY/UT form of `kda_recurrent` (kda.md §5), for prefill and training.
 
     Any T: the tail is padded with zeros for q, k, v, g and β, which is an exact identity
     step (α = 1, k = 0, β = 0). Pairwise decays are materialised per chunk as
     `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`, which never overflows whatever the gate (kda.md §6a).
+
+    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — the Pallas kernel
+    of `k31jax.kernels.kda_chunk` ("auto": the kernel on GPU, this path elsewhere).
+    `lower_bound` (the gate's bound, None for softplus) only lets the kernel factor its
+    diagonal sub-chunk tiles (kda.md §6b); this path ignores it.
     """
+    if impl != "xla":
+        from ..kernels.kda_chunk import kda_chunked as _kernel
+
+        return _kernel(q, k, v, g, beta, initial_state, chunk_size, lower_bound=lower_bound,
+                       impl=impl)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size

@@ -71,11 +71,19 @@ def mla_attention_sparse(
     idx: Int[Array, "B T K"],
     valid: Bool[Array, "B T K"],
     scale: float,
+    *,
+    impl: str = "xla",
 ) -> Float[Array, "B T H dv"]:
     """Absorbed attention over only the selected latent rows `idx` (DSA, attention.md §3).
 
     Gathers `[B, T, K, r + dr]` rows; never builds a `[T, S]` mask.
+    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — the Pallas kernel
+    of `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise).
     """
+    if impl != "xla":
+        from ..kernels.sparse_mla import mla_attention_sparse as _kernel
+
+        return _kernel(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale, impl=impl)
     f32 = jnp.float32
     gather = jax.vmap(lambda rows, i: rows[i])
     ckv_sel = gather(c_kv, idx).astype(f32)  # [B, T, K, r]

@@ -1,0 +1,111 @@
+"""Shared plumbing for the Pallas kernels: the `impl` seam, Triton compiler params, padding.
+
+Every kernel sits behind `impl ∈ {"xla", "pallas", "interpret"}` (jax_notes.md §7):
+
+- "xla": the op's jnp reference path (the oracle), unchanged numerics;
+- "pallas": the Pallas-Triton kernel compiled for the GPU;
+- "interpret": the same kernel body run by the Pallas interpreter (any backend, CPU tests);
+- None / "auto": "pallas" when the default backend is a GPU, else "xla".
+
+The kernels use Pallas-Triton (`pl.pallas_call` + `plt.CompilerParams`), which runs in
+interpret mode on CPU; every block shape handed to a `tl.dot` is a power of two >= 16, so
+the wrappers pad small head/latent widths with zeros (exact for every op here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # jax >= 0.6: `CompilerParams`; older spelled it `TritonCompilerParams`
+    from jax.experimental.pallas import triton as plt
+
+    _TritonParams = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams")
+except ImportError:  # pragma: no cover - a jax without the Triton backend
+    plt = None
+    _TritonParams = None
+
+IMPLS = ("xla", "pallas", "interpret")
+
+
+def resolve_impl(impl: str | None) -> str:
+    """None/"auto" -> "pallas" on a GPU backend, "xla" elsewhere; validates the name."""
+    if impl is None or impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
+    return impl
+
+
+def call(kernel, *, out_shape, grid, impl: str, num_warps: int = 4, num_stages: int = 2,
+         input_output_aliases=None, name: str | None = None):
+    """`pl.pallas_call` over whole-array refs (kernels index them with `pl.ds`)."""
+    if impl not in ("pallas", "interpret"):
+        raise ValueError(f"kernel impl={impl!r}: expected 'pallas' or 'interpret'")
+    kw = {}
+    if _TritonParams is not None:
+        kw["compiler_params"] = _TritonParams(num_warps=num_warps, num_stages=num_stages)
+    if name is not None:
+        kw["name"] = name
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=impl == "interpret",
+                          input_output_aliases=input_output_aliases or {}, **kw)
+
+
+def masked_store(ref, value, mask):
+    """`ref[...] = value` where `mask` (a Triton masked store; plain store without a mask)."""
+    if mask is None:
+        ref[...] = value
+    else:
+        plt.store(ref, value, mask=mask)
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pad `axis` of x up to `size` (no copy when already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    if extra < 0:
+        raise ValueError(f"pad_axis: axis {axis} of {x.shape} is larger than {size}")
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132):
+    """Pretend to target a GPU so Pallas-Triton kernels can be *lowered* on a CPU-only host.
+
+    Used by tests and the benchmark: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`
+    inside this context runs the Pallas -> Triton-IR lowering (catches unsupported primitives
+    and non-power-of-two tiles) without compiling or running anything. jax >= 0.12 API; raises
+    NotImplementedError where the installed jax lacks it.
+    """
+    try:
+        from jax._src import mesh as mesh_lib
+
+        dev = mesh_lib.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+        mesh = mesh_lib.AbstractMesh((1,), ("_kernel_lowering",), abstract_device=dev)
+        ctx = jax.sharding.use_abstract_mesh(mesh)
+    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - older jax
+        raise NotImplementedError(f"abstract GPU lowering unavailable on jax {jax.__version__}: {e}")
+    with ctx:
+        yield
+
+
+def lower_for_gpu(fn, *args) -> str:
+    """Lower `fn(*args)` for CUDA on any host; returns the StableHLO text (Triton custom calls
+    carry the serialised Triton IR). Raises if a kernel does not lower."""
+    with abstract_gpu():
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()

@@ -1,0 +1,133 @@
+"""Dispatch seam for sparse gated-MLA attention and the indexer decode top-k.
+
+`impl ∈ {"xla", "pallas", "interpret"}`; None picks "pallas" on a GPU backend, else "xla".
+
+Dtype policy: the absorbed query `W_UKᵀ q_nope` and the `W_UV` up-projection are the XLA op's
+fp32 einsums. Inside the kernel, fp32 caches give fp32 (IEEE) matmuls; bf16 caches give bf16
+operands (query and softmax weights rounded to bf16) with fp32 accumulation and an fp32
+softmax. Outputs are fp32. Indexer scores are fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .._common import pad_axis, pow2_at_least, resolve_impl
+from .pallas_indexer import indexer_scores_masked
+from .pallas_sparse_mla import combine_splits, sparse_latent_attention
+from .ref import absorb_query, mla_attention_sparse_ref, select_topk_ref
+
+H200_SMS = 132
+BLOCK_K = 32
+
+
+def head_block(h: int) -> int:
+    """Heads per program: the fewest padded heads, then the fewest blocks (96 -> 32)."""
+    return min((16, 32, 64), key=lambda bh: (-(-h // bh) * bh, -(-h // bh)))
+
+
+def mla_attention_sparse(
+    q_nope: Float[Array, "B T H dn"],
+    q_pe: Float[Array, "B T H dr"],
+    c_kv: Float[Array, "B S r"],
+    k_pe: Float[Array, "B S dr"],
+    w_uk: Float[Array, "r H dn"],
+    w_uv: Float[Array, "r H dv"],
+    idx: Int[Array, "B T K"],
+    valid: Bool[Array, "B T K"],
+    scale: float,
+    *,
+    impl: str | None = None,
+    n_split: int | None = None,
+) -> Float[Array, "B T H dv"]:
+    """`ops.mla_attention_sparse` with a kernel seam (absorbed form over the selected rows).
+
+    T == 1 is the decode kernel: the K slots are split over `n_split` programs (default: enough
+    to give the H200's 132 SMs two programs each) and merged; T > 1 is the prefill kernel, one
+    program per (query, head block) with its own selection.
+    """
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return mla_attention_sparse_ref(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale)
+    b, t, h, _ = q_nope.shape
+    r, dr = c_kv.shape[-1], k_pe.shape[-1]
+    kk = idx.shape[-1]
+    cdt = jnp.float32 if c_kv.dtype == jnp.float32 else c_kv.dtype
+    bh = head_block(h)
+    hp = -(-h // bh) * bh
+    rp, pp = pow2_at_least(r), pow2_at_least(dr)
+    n = b * t
+    q_lat = absorb_query(q_nope, w_uk)  # fp32, as the XLA op
+    q_lat = pad_axis(pad_axis(q_lat.reshape(n, h, r), 1, hp), 2, rp).astype(cdt)
+    qpe = pad_axis(pad_axis(q_pe.reshape(n, h, dr), 1, hp), 2, pp).astype(cdt)
+    ckv = pad_axis(c_kv, 2, rp).astype(cdt)
+    kpe = pad_axis(k_pe, 2, pp).astype(cdt)
+    n_kb = -(-kk // BLOCK_K)
+    if n_split is None:
+        n_split = 1 if t > 1 else max(1, min(n_kb, -(-2 * H200_SMS // (b * (hp // bh)))))
+    kp = -(-kk // (BLOCK_K * n_split)) * BLOCK_K * n_split
+    ids = pad_axis(idx.reshape(n, kk).astype(jnp.int32), 1, kp)
+    code = jnp.pad(valid.reshape(n, kk).astype(jnp.int32), [(0, 0), (0, kp - kk)], constant_values=-1)
+    o, m, l = sparse_latent_attention(q_lat, qpe, ckv, kpe, ids, code, seq_len=t, scale=scale,
+                                      n_split=n_split, impl=impl, block_h=bh, block_k=BLOCK_K)
+    o_lat = combine_splits(o, m, l)[:, :h, :r].reshape(b, t, h, r)
+    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def indexer_scores(
+    q: Float[Array, "B T HI dI"],
+    w: Float[Array, "B T HI"],
+    k: Float[Array, "B S dI"],
+    q_pos: Int[Array, "T"],
+    key_valid: Bool[Array, "B S"],
+    *,
+    impl: str | None = None,
+    block_s: int = 64,
+) -> Float[Array, "B T S"]:
+    """Masked index scores `[B, T, S]` (−inf where `s > q_pos[t]` or the key is invalid)."""
+    impl = resolve_impl(impl)
+    b, t, hi, di = q.shape
+    s_len = k.shape[1]
+    if impl == "xla":
+        from ...ops._indexer import indexer_scores as scores_xla
+
+        ok = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
+        return jnp.where(ok, scores_xla(q, w, k), -jnp.inf)
+    hip, dip = pow2_at_least(hi), pow2_at_least(di)
+    sp = -(-s_len // block_s) * block_s
+    n = b * t
+    qq = pad_axis(pad_axis(q.astype(jnp.float32).reshape(n, hi, di), 1, hip), 2, dip)
+    ww = pad_axis(w.astype(jnp.float32).reshape(n, hi), 1, hip)
+    kk = pad_axis(pad_axis(k.astype(jnp.float32), 1, sp), 2, dip)
+    pos = jnp.broadcast_to(q_pos.astype(jnp.int32)[None, :], (b, t)).reshape(n)
+    kv = pad_axis(key_valid.astype(jnp.int32), 1, sp)
+    sc = indexer_scores_masked(qq, ww, kk, pos, kv, seq_len=t, head_dim=di, impl=impl,
+                               block_s=block_s)
+    return sc.reshape(b, t, sp)[..., :s_len]
+
+
+def select_topk(
+    q: Float[Array, "B T HI dI"],
+    w: Float[Array, "B T HI"],
+    k: Float[Array, "B S dI"],
+    q_pos: Int[Array, "T"],
+    key_valid: Bool[Array, "B S"],
+    top_k: int,
+    key_block: int | None = None,
+    *,
+    impl: str | None = None,
+) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
+    """`ops.select_topk` with a kernel seam: fused masked scores (Pallas), then `lax.top_k`.
+
+    The kernel path builds the `[B, T, S]` score matrix, so it is meant for decode (T = 1) and
+    short chunks; `key_block` (the XLA streaming top-k for long prefill) is ignored by it.
+    """
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return select_topk_ref(q, w, k, q_pos, key_valid, top_k, key_block)
+    scores = indexer_scores(q, w, k, q_pos, key_valid, impl=impl)
+    vals, idx = jax.lax.top_k(scores, min(top_k, k.shape[1]))
+    return idx.astype(jnp.int32), vals > -jnp.inf
