@@ -29,6 +29,8 @@ Timings (median over --repeats after --warmup untimed runs, wall clock, perf_cou
   * decode: after an (untimed) prefill, `decode_steps` cached one-token steps, greedy argmax of
     the previous logits. decode_tok_s = batch * decode_steps / t; decode_ms_per_step = t / steps.
   * --generate: `model.generate(do_sample=False)`; ttft = generate with max_new_tokens=1;
+    --generate-only skips the two timings above (their keys are null); --generate-streamer
+    times TTFT and the total in one generate(N) call (a streamer stamps the first new token);
     generate_decode_tok_s = batch * (N - 1) / (t(N) - ttft) with N = decode_steps + 1
     (min_new_tokens = N, so EOS never stops it early).
 
@@ -276,6 +278,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--generate", action="store_true", help="also time model.generate() (TTFT + decode)")
+    ap.add_argument("--generate-streamer", action="store_true",
+                    help="with --generate: one generate(N) per repeat, TTFT from a timestamping streamer")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="with --generate: skip the plain prefill/decode timings (prefill_* / decode_* are null)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--attn-implementation", default="eager", help="eager | sdpa")
     ap.add_argument("--experts-implementation", default="eager", help="eager | grouped_mm | batched_mm")
@@ -338,8 +344,9 @@ def main(argv=None):
 
     res = {}
     with torch.inference_mode():
-        pre_times = timed(run_prefill, args.repeats, args.warmup)
-        dec_times = timed(run_decode, args.repeats, args.warmup) if S > 0 else []
+        skip = args.generate and args.generate_only
+        pre_times = [] if skip else timed(run_prefill, args.repeats, args.warmup)
+        dec_times = timed(run_decode, args.repeats, args.warmup) if S > 0 and not skip else []
         if args.generate:
             attn = torch.ones_like(prompt)
 
@@ -351,8 +358,32 @@ def main(argv=None):
                 )
                 return time.perf_counter() - t
 
-            ttft = timed(lambda: gen(1), args.repeats, args.warmup)
-            total = timed(lambda: gen(S + 1), args.repeats, args.warmup)
+            class Stamps:  # a generate() streamer that only records when each step's ids arrive
+                def __init__(self):
+                    self.t = []
+
+                def put(self, value):
+                    self.t.append(time.perf_counter())
+
+                def end(self):
+                    pass
+
+            def gen_stamped():
+                st = Stamps()
+                t = time.perf_counter()
+                model.generate(
+                    input_ids=prompt, attention_mask=attn, do_sample=False, max_new_tokens=S + 1,
+                    min_new_tokens=S + 1, pad_token_id=cfg.pad_token_id, eos_token_id=cfg.eos_token_id,
+                    streamer=st,
+                )
+                return st.t[1] - t, time.perf_counter() - t  # t[0]: the prompt, t[1]: first new token
+
+            if args.generate_streamer:
+                runs = [gen_stamped() for _ in range(args.warmup + args.repeats)][args.warmup:]
+                ttft, total = [r[0] for r in runs], [r[1] for r in runs]
+            else:
+                ttft = timed(lambda: gen(1), args.repeats, args.warmup)
+                total = timed(lambda: gen(S + 1), args.repeats, args.warmup)
             t_ttft, t_total = statistics.median(ttft), statistics.median(total)
             res.update(
                 generate_ttft_s=t_ttft,
@@ -361,7 +392,7 @@ def main(argv=None):
                 generate_times_s={"ttft": ttft, "total": total},
             )
 
-    t_pre = statistics.median(pre_times)
+    t_pre = statistics.median(pre_times) if pre_times else None
     t_dec = statistics.median(dec_times) if dec_times else None
     lac = cfg_dict["linear_attn_config"]
     out = {
@@ -405,7 +436,7 @@ def main(argv=None):
         "ignored_keys": ignored,
         "approximations": approx,
         "prefill_s": t_pre,
-        "prefill_tok_s": B * P / t_pre,
+        "prefill_tok_s": B * P / t_pre if t_pre else None,
         "prefill_times_s": pre_times,
         "decode_s": t_dec,
         "decode_tok_s": (B * S / t_dec) if t_dec else None,

@@ -5,14 +5,14 @@ formats in `k31jax.quant`, the tokenizer and chat format in `k31jax.chat`.
 """
 
 from .cache import Cache, init_cache
-from .ckpt import load_hf_weights
+from .ckpt import load_checkpoint, load_hf_weights
 from .config import ConfigError, K3Config, ModelConfig, preset_names
 from .nn import K31ForCausalLM, dequantize_experts, quantize_experts
 from ._sizes import ParamCount, abstract_model, count_params
 
 __all__ = [
     "Cache", "ConfigError", "K31ForCausalLM", "K3Config", "ModelConfig", "ParamCount",
-    "abstract_model", "count_params", "dequantize_experts", "init_cache", "load_hf_weights",
+    "abstract_model", "count_params", "dequantize_experts", "init_cache", "load_checkpoint", "load_hf_weights",
     "preset_names", "quantize_experts",
 ]
 __version__ = "0.1.0"

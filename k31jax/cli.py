@@ -1,5 +1,5 @@
 """The `k31jax` command line. Each subcommand lives next to its code and registers itself:
-`info` here, `generate` in `k31jax.generate`, `convert` / `export` in `convert/`."""
+`info` here, `generate` and `chat` in `k31jax.generate`, `convert` / `export` in `convert/`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from pathlib import Path
 REGISTRARS = [
     ("k31jax.cli", "register_info"),
     ("k31jax.generate._cli", "register"),
+    ("convert._cli", "register"),
+    ("k31jax.generate._cli", "register_chat"),
+    ("k31jax.sharding._plan", "register"),
 ]
 
 

@@ -43,9 +43,10 @@ def test_abstract_model_allocates_nothing_and_has_logical_axes():
     state = nnx.state(model, nnx.Param)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in leaves)
-    w = model.moe.w_gate
-    assert w.shape == (92, 896, 3072, 3584)
-    assert w.get_metadata()["out_sharding"] == ("layers", "expert", "expert_mlp", "latent")
+    w = model.moe.w_gate  # the release config keeps experts packed: 2 E2M1 codes per byte
+    assert w.packed.shape == (92, 896, 3072, 3584 // 2) and w.packed.dtype == np.uint8
+    assert w.scale.shape == (92, 896, 3072, 3584 // 32)
+    assert w.packed.get_metadata()["out_sharding"] == ("layers", "expert", "expert_mlp", "latent")
     for v in leaves:  # every parameter names an axis for every dimension
         assert len(v.get_metadata()["out_sharding"]) == len(v.shape)
     assert model.mla.indexer.wq_b.shape == (24, 1536, 64 * 128)

@@ -6,11 +6,15 @@ Every error names the file and the tensor.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import math
 import os
+import re
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +27,20 @@ DTYPES = {
     "F64": np.dtype(np.float64), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(np.uint8),
 }
+@contextlib.contextmanager
+def no_gc():
+    """Pause the cyclic GC while building hundreds of thousands of small objects (a
+    full-size index): its periodic passes otherwise dominate the run time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_ITEMSIZE = {k: v.itemsize for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -30,8 +48,9 @@ class SafetensorsError(ValueError):
     """A malformed or inconsistent safetensors file; the message names file and tensor."""
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """One tensor of a safetensors file: dtype, shape and absolute byte range in `file`."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -44,7 +63,7 @@ class TensorInfo:
         return self.end - self.start
 
     def expected_nbytes(self) -> int:
-        n = int(np.prod(self.shape, dtype=np.int64))
+        n = math.prod(self.shape)
         if self.dtype == "F4":
             return (n + 1) // 2
         return n * DTYPES[self.dtype].itemsize
@@ -62,11 +81,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
             (n,) = struct.unpack("<Q", raw)
             if n > _MAX_HEADER or 8 + n > size:
                 raise SafetensorsError(f"{path}: header length {n} does not fit in a {size}-byte file")
-            header_bytes = f.read(n)
+            raw_header = f.read(n)
     except FileNotFoundError:
         raise SafetensorsError(f"{path}: no such file") from None
     try:
-        header = json.loads(header_bytes)
+        header = json.loads(raw_header)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SafetensorsError(f"{path}: corrupt JSON header ({e})") from None
     if not isinstance(header, dict):
@@ -76,19 +95,36 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     infos = {}
     for name, h in header.items():
         try:
-            dtype, shape, (a, b) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+            dtype, shape, (a, b) = h["dtype"], tuple(map(int, h["shape"])), h["data_offsets"]
+            a, b = int(a), int(b)
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {h!r}") from None
         if dtype not in DTYPES and dtype != "F4":
             raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        info = TensorInfo(name, dtype, shape, base + int(a), base + int(b), path)
-        if not 0 <= a <= b or info.end > size:
-            raise SafetensorsError(f"{path}: tensor {name!r} data_offsets [{a}, {b}] lie outside the "
-                                   f"file's {size - base}-byte data section (truncated file?)")
-        if info.nbytes != info.expected_nbytes():
+        if not 0 <= a <= b:
+            raise SafetensorsError(f"{path}: tensor {name!r} has invalid data_offsets [{a}, {b}]")
+        info = TensorInfo(name, dtype, shape, base + a, base + b, path)
+        if b - a != (math.prod(shape) * _ITEMSIZE[dtype] if dtype != "F4" else (math.prod(shape) + 1) // 2):
             raise SafetensorsError(f"{path}: tensor {name!r} holds {info.nbytes} bytes, but dtype {dtype} "
                                    f"and shape {list(shape)} need {info.expected_nbytes()}")
         infos[name] = info
+    data_size = size - base
+    ordered = sorted(infos.values(), key=lambda t: (t.start, t.end))
+    needed = max((t.end - base for t in ordered), default=0)
+    if needed > data_size:
+        tiled = all(x.end == y.start for x, y in zip(ordered, ordered[1:])) and (not ordered or ordered[0].start == base)
+        if tiled:  # a consistent header over a short file
+            cut = next(t for t in ordered if t.end > size)
+            raise SafetensorsError(f"{path}: truncated file: the header describes {needed} data bytes but the "
+                                   f"file holds {data_size} ({needed - data_size} missing; tensor {cut.name!r} "
+                                   f"and later are cut short)")
+        bad = next(t for t in ordered if t.end > size)
+        raise SafetensorsError(f"{path}: tensor {bad.name!r} data_offsets [{bad.start - base}, {bad.end - base}] "
+                               f"lie outside the file's {data_size}-byte data section")
+    for x, y in zip(ordered, ordered[1:]):
+        if y.start < x.end:
+            raise SafetensorsError(f"{path}: tensors {x.name!r} [{x.start - base}, {x.end - base}] and {y.name!r} "
+                                   f"[{y.start - base}, {y.end - base}] overlap")
     return infos, meta
 
 
@@ -102,38 +138,90 @@ def load_tensor(info: TensorInfo) -> np.ndarray:
     return np.memmap(info.file, dt, "r", info.start, info.shape)
 
 
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")
+
+
+def _check_shard_set(index: Path, listed: set[str]) -> None:
+    """A numbered shard set (`model-00001-of-00096.safetensors`, ...) must be complete: every
+    number 1..N listed, and no numbered file on disk left out of the index."""
+    sets: dict[tuple[str, str], set[int]] = {}
+    widths: dict[tuple[str, str], int] = {}
+    for shard in listed:
+        m = _SHARD_RE.match(shard)
+        if m:
+            key = (m["stem"], m["n"])
+            sets.setdefault(key, set()).add(int(m["i"]))
+            widths[key] = len(m["i"])
+    for (stem, n), have in sorted(sets.items()):
+        gaps = sorted(set(range(1, int(n) + 1)) - have)
+        if gaps:
+            names = [f"{stem}-{i:0{widths[(stem, n)]}d}-of-{n}.safetensors" for i in gaps]
+            state = ["absent" if not (index.parent / f).exists() else "present but unlisted" for f in names]
+            raise SafetensorsError(
+                f"{index}: missing shard {names[0]} ({state[0]}; {len(gaps)} of {int(n)} shards missing: "
+                f"{names[:4]}): the index maps tensors only to shards {sorted(have)[:8]}"
+                f"{' ...' if len(have) > 8 else ''} of {int(n)}, so the tensors stored in the missing "
+                "shard(s) are unaccounted for")
+    on_disk = {p.name for p in index.parent.glob("*.safetensors") if _SHARD_RE.match(p.name)}
+    unlisted = sorted(on_disk - listed)
+    if unlisted:
+        raise SafetensorsError(f"{index}: shard files {unlisted[:4]} are on disk but not in the index "
+                               "(their tensors would be silently skipped)")
+
+
 class SafetensorsIndex:
-    """All tensors of a checkpoint folder: `model.safetensors.index.json` + shards, or one file."""
+    """All tensors of a checkpoint folder: `model.safetensors.index.json` + shards, or one file.
+
+    Only headers are read. `shards` keeps each file's tensor order and `__metadata__`.
+    """
 
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+        with no_gc():
+            self._read(Path(root))
+
+    def _read(self, root: Path) -> None:
+        self.root = root
         index = self.root / "model.safetensors.index.json"
         self.tensors: dict[str, TensorInfo] = {}
+        self.shards: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.index_metadata: dict = {}
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                raw = json.loads(index.read_text())
+                weight_map = raw["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise KeyError("weight_map is not an object")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise SafetensorsError(f"{index}: not a valid index ({e})") from None
-            headers: dict[str, dict[str, TensorInfo]] = {}
-            for shard in sorted(set(weight_map.values())):
+            self.index_metadata = raw.get("metadata") or {}
+            listed = set(weight_map.values())
+            for shard in sorted(listed):
                 if not (self.root / shard).exists():
                     users = sorted(k for k, v in weight_map.items() if v == shard)
                     raise SafetensorsError(f"{index}: shard {shard!r} is listed (for {len(users)} tensors, "
                                            f"e.g. {users[0]!r}) but {self.root / shard} does not exist")
-                headers[shard], _ = read_header(self.root / shard)
+            _check_shard_set(index, listed)
+            headers: dict[str, dict[str, TensorInfo]] = {}
+            for shard in sorted(listed):
+                headers[shard], meta = read_header(self.root / shard)
+                self.shards[shard] = (sorted(headers[shard], key=lambda k: headers[shard][k].start), meta)
             for name, shard in weight_map.items():
                 if name not in headers[shard]:
                     raise SafetensorsError(f"{index}: tensor {name!r} is mapped to {shard!r}, "
                                            "which does not contain it")
                 self.tensors[name] = headers[shard][name]
             for shard, infos in headers.items():
-                unlisted = sorted(set(infos) - set(weight_map))
+                unlisted = sorted(k for k in infos if k not in weight_map)
                 if unlisted:
                     raise SafetensorsError(f"{self.root / shard}: tensors {unlisted[:5]} are not in {index.name}")
         elif (self.root / "model.safetensors").exists():
-            self.tensors, _ = read_header(self.root / "model.safetensors")
+            self.tensors, meta = read_header(self.root / "model.safetensors")
+            self.shards["model.safetensors"] = (sorted(self.tensors, key=lambda k: self.tensors[k].start), meta)
         else:
-            raise SafetensorsError(f"{self.root}: neither model.safetensors.index.json nor model.safetensors found")
+            shards = sorted(p.name for p in self.root.glob("*.safetensors")) if self.root.is_dir() else []
+            hint = f" (found {shards[:3]} without an index)" if shards else ""
+            raise SafetensorsError(f"{self.root}: neither model.safetensors.index.json nor model.safetensors "
+                                   f"found{hint}")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -146,3 +234,131 @@ class SafetensorsIndex:
 
     def names(self) -> list[str]:
         return sorted(self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+# --------------------------------------------------------------------------- streaming I/O
+class TensorReader:
+    """Reads tensors with positioned reads into caller-owned buffers (no memory maps, so the
+    resident set is only what the caller allocates). Keeps one open handle per file."""
+
+    def __init__(self):
+        self._files: dict[Path, int] = {}
+        self._scratch = np.empty(0, np.uint8)
+        self.bytes_read = 0
+
+    def _fd(self, path: Path) -> int:
+        fd = self._files.get(path)
+        if fd is None:
+            fd = self._files[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def read_into(self, info: TensorInfo, out: np.ndarray) -> np.ndarray:
+        """Fill the C-contiguous `out` (any dtype/shape of `info.nbytes` bytes) from the file."""
+        if not out.flags.c_contiguous:
+            raise SafetensorsError(f"{info.file}: tensor {info.name!r}: destination is not contiguous")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        if len(view) != info.nbytes:
+            raise SafetensorsError(f"{info.file}: tensor {info.name!r} holds {info.nbytes} bytes, "
+                                   f"but the destination has {len(view)}")
+        fd, done = self._fd(info.file), 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:]], info.start + done)
+            if n <= 0:
+                raise SafetensorsError(f"{info.file}: tensor {info.name!r} is cut short at byte "
+                                       f"{info.start + done} (truncated file?)")
+            done += n
+        self.bytes_read += info.nbytes
+        return out
+
+    def read(self, info: TensorInfo, *, scratch: bool = False) -> np.ndarray:
+        """The tensor as a numpy array (F4 as raw uint8 bytes): a fresh one, or with
+        `scratch=True` a view of this reader's reusable buffer, valid until its next
+        scratch read (saves page faults on hot paths)."""
+        dtype, shape = (np.dtype(np.uint8), (info.nbytes,)) if info.dtype == "F4" else (DTYPES[info.dtype], info.shape)
+        if not scratch:
+            return self.read_into(info, np.empty(shape, dtype))
+        if self._scratch.nbytes < info.nbytes:
+            self._scratch = np.empty(max(info.nbytes, 2 * self._scratch.nbytes), np.uint8)
+        view = self._scratch[:info.nbytes].view(dtype).reshape(shape)
+        return self.read_into(info, view)
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+DTYPE_NAMES = {np.dtype(bool): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
+               np.dtype(np.int16): "I16", np.dtype(np.uint16): "U16", np.dtype(np.int32): "I32",
+               np.dtype(np.uint32): "U32", np.dtype(np.int64): "I64", np.dtype(np.uint64): "U64",
+               np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+               np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+               np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2"}
+
+
+def header_bytes(entries, metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[int, int]]]:
+    """The 8-byte length + JSON header for `entries` = [(name, dtype, shape)] laid out in order;
+    also each tensor's (start, end) offsets relative to the data section."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offsets, pos = [], 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape)
+        size = (n + 1) // 2 if dtype == "F4" else n * _ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": list(map(int, shape)), "data_offsets": [pos, pos + size]}
+        offsets.append((pos, pos + size))
+        pos += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+class ShardWriter:
+    """Writes one safetensors file whose layout is fixed up front: the header is written on
+    open and each tensor is written at its offset, in any order (`write`), or never (`sparse`
+    files keep unwritten data as holes)."""
+
+    def __init__(self, path: str | os.PathLike, entries, metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        with no_gc():
+            self._open(entries, metadata)
+
+    def _open(self, entries, metadata) -> None:
+        head, offsets = header_bytes(entries, metadata)
+        base = len(head)
+        self.infos = {name: TensorInfo(name, dtype, tuple(map(int, shape)), base + a, base + b, self.path)
+                      for (name, dtype, shape), (a, b) in zip(entries, offsets)}
+        self.size = base + (offsets[-1][1] if offsets else 0)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, head, 0)
+        os.ftruncate(self._fd, self.size)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        info = self.infos[name]
+        buf = np.ascontiguousarray(array)
+        if buf.nbytes != info.nbytes:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} needs {info.nbytes} bytes "
+                                   f"({info.dtype} {list(info.shape)}), got {buf.nbytes}")
+        view, done = memoryview(buf.reshape(-1).view(np.uint8)), 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], info.start + done)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

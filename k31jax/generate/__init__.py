@@ -1,5 +1,21 @@
-"""Generation: a jitted prefill/decode engine with sampling over explicit caches."""
+"""Generation: a jitted prefill/decode engine with sampling, stop handling, a thinking budget,
+streaming text and structured events, and a multi-turn chat session.
 
-from ._engine import Engine, GenerationResult, SamplingParams, bucket_length, sample_logits
+- ``Engine(model, tokenizer, max_len=..., prefill_chunk=...)``: ``generate`` / ``stream`` over
+  token-id prompts or ``Request``s; compiled once per (batch, length bucket).
+- ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
+- ``ChatSession``: K3 chat history (reasoning, tool calls, tool results) over an engine.
+- ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model.
+"""
 
-__all__ = ["Engine", "GenerationResult", "SamplingParams", "bucket_length", "sample_logits"]
+from ._engine import (TRACE_COUNTS, Engine, GenerationResult, bucket_length, plan_prefill)
+from ._loading import DEFAULT_MODEL, LoadedModel, load_model
+from ._requests import Completion, Request, StreamDelta
+from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
+from ._session import ChatSession, TurnResult
+
+__all__ = [
+    "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "GenerationResult", "LoadedModel",
+    "Request", "SamplerState", "SamplingParams", "StreamDelta", "TRACE_COUNTS", "TurnResult",
+    "bucket_length", "load_model", "plan_prefill", "sample_logits", "sample_tokens",
+]

@@ -1,12 +1,26 @@
-"""A jitted prefill / decode loop over explicit cache pytrees.
+"""A jitted prefill / decode engine over explicit cache pytrees.
 
-Prompts of different lengths are left-padded to a length bucket and marked invalid, which
-is exact (padded positions are identity steps for KDA and masked keys for MLA), so one
-compilation serves every prompt length in a bucket, and one decode step serves all steps.
+- **Batching.** Prompts of different lengths are left-padded to one length bucket and marked
+  invalid; padding is exact in the model (identity steps for KDA, masked keys for MLA), so
+  no padding token changes another token's result.
+- **Buckets.** A bucket is a power of two (at least ``min_bucket``) up to ``prefill_chunk``;
+  longer prompts are padded to a multiple of ``prefill_chunk`` and prefilled chunk by chunk,
+  continuing the cache. Every program is compiled once per (kind, batch, width) and cached
+  across engines of the same model structure: one prefill program per (batch, bucket), one
+  chunk program per batch, one decode step per batch, whatever the prompt or step.
+- **Compilation** is explicit (``jax.jit(...).lower(...).compile()``), timed on its own and
+  excluded from the prefill / decode timings.
+- **Sampling** runs inside the jitted step with per-row arrays (``_sampling``); the host only
+  reads each step's ids to run stop checks, the thinking budget and the parser
+  (``_requests``), and dispatches the next step before that work when no row's forced token
+  depends on it.
+- The model is split once (``nnx.split``); jitted functions are pure in
+  ``(graphdef, state, cache, …)`` with the cache (and the sampler's ``seen`` mask) donated.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
@@ -16,36 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..cache import Cache
-from ..nn import K31ForCausalLM
+from ..cache import Cache, init_cache
+from ..chat import ThinkingBudget
+from ._requests import (Completion, Request, RowController, StreamDelta, normalize_requests)
+from ._sampling import SamplingParams, make_sampler_state, sample_tokens, sampler_arrays
 
+# Number of times each jitted function was traced (== compiled): tests use it to show that
+# compilation happens per (batch, bucket), never per token.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-def sample_logits(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """Next token ids `[B]` from fp32 logits `[B, V]`."""
-    if params.temperature <= 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if params.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cutoff_idx = jnp.sum(cum < params.top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+_COMPILED: dict[tuple, object] = {}  # (kind, graphdef, signature) -> jax.stages.Compiled
+_COMPILED_MAX = 64
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -53,13 +48,89 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def plan_prefill(n: int, chunk: int, minimum: int = 16) -> tuple[int, int]:
+    """(padded length, call width) for a longest prompt of `n` tokens: a power-of-two bucket
+    prefilled in one call, or a multiple of `chunk` prefilled in calls of width `chunk`."""
+    length = bucket_length(n, minimum)
+    if length <= chunk:
+        return length, length
+    return -(-n // chunk) * chunk, chunk
+
+
+# ---- jitted pure functions ------------------------------------------------------------
+def _last_logits(model, tokens, cache, valid):
+    """Logits of the last position only: the head runs on `[B, D]`, not `[B, T, V]` (the
+    full-sequence logits are dead code and removed by XLA)."""
+    _, cache, inter = model(tokens, cache, valid=valid, return_intermediates=True)
+    h = inter["final_hidden"][:, -1]
+    return jnp.dot(h, model.lm_head[...], preferred_element_type=jnp.float32), cache
+
+
+def _prefill_fn(graphdef, state, cache: Cache, tokens, valid):
+    TRACE_COUNTS["prefill"] += 1
+    return _last_logits(nnx.merge(graphdef, state), tokens, cache, valid)
+
+
+def _first_fn(logits, arrays, force):
+    TRACE_COUNTS["first"] += 1
+    return sample_tokens(logits, make_sampler_state(**arrays), force)
+
+
+def _decode_fn(graphdef, state, cache: Cache, token, sampler, force):
+    TRACE_COUNTS["decode"] += 1
+    logits, cache = nnx.merge(graphdef, state)(token[:, None], cache)
+    token, sampler = sample_tokens(logits[:, 0], sampler, force)
+    return token, cache, sampler
+
+
+def _init_cache_fn(config, batch: int, max_len: int) -> Cache:
+    TRACE_COUNTS["init_cache"] += 1
+    return init_cache(config, batch, max_len)
+
+
+# kind -> (jitted function, number of leading static arguments)
+_JITS = {
+    "init_cache": (jax.jit(_init_cache_fn, static_argnums=(0, 1, 2)), 3),
+    "prefill": (jax.jit(_prefill_fn, static_argnums=0, donate_argnums=(2,)), 1),
+    "first": (jax.jit(_first_fn), 0),
+    "decode": (jax.jit(_decode_fn, static_argnums=0, donate_argnums=(2, 4)), 1),
+}
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
+                          for x in leaves)
+
+
 @dataclasses.dataclass
 class GenerationResult:
-    tokens: list[list[int]]
+    """Outputs of one `Engine.generate` call, with timings that exclude compilation.
+
+    prefill_seconds  prompt processing + first token (what a user waits: TTFT minus compile).
+    decode_seconds   from the first token to the last one.
+    """
+
+    completions: list[Completion]
     prefill_seconds: float
     decode_seconds: float
+    compile_seconds: float
     prompt_tokens: int
+    padded_prompt_tokens: int
     decode_steps: int
+    decode_tokens: int
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [c.tokens for c in self.completions]
+
+    @property
+    def texts(self) -> list[str]:
+        return [c.text for c in self.completions]
+
+    @property
+    def ttft_seconds(self) -> float:
+        return self.prefill_seconds
 
     @property
     def prefill_tok_s(self) -> float:
@@ -67,86 +138,193 @@ class GenerationResult:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_steps * len(self.tokens) / max(self.decode_seconds, 1e-9)
+        """Generated tokens after the first ones, per second of decoding."""
+        return self.decode_tokens / max(self.decode_seconds, 1e-9)
+
+    def timing_line(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok: prefill {self.prefill_tok_s:,.1f} tok/s "
+                f"(TTFT {self.prefill_seconds * 1e3:,.1f} ms); decode {self.decode_tok_s:,.1f} tok/s "
+                f"({self.decode_tokens} tok in {self.decode_seconds:.3f} s); compile "
+                f"{self.compile_seconds:.1f} s (excluded)")
 
 
 class Engine:
-    """Prefill and decode for one model; compiled once per (batch, length bucket)."""
+    """Prefill and decode for one model; programs compiled once per (batch, length bucket).
 
-    def __init__(self, model: K31ForCausalLM, max_len: int = 4096):
+    tokenizer      needed for text, stop strings, the thinking budget and parsing; its
+                   ``stop_ids`` are the default stop ids ({[EOS], <|end_of_msg|>} for K3).
+    max_len        cache length: padded prompt + max_new_tokens must fit.
+    prefill_chunk  longest prefill call; longer prompts are prefilled in chunks of this size.
+    min_bucket     smallest prompt bucket.
+    pipeline       dispatch the next decode step before the host handles the current token
+                   whenever no forced token depends on it (identical results; False for
+                   debugging).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
+                 min_bucket: int = 16, stop_ids=None, pipeline: bool = True):
+        if prefill_chunk < 1 or min_bucket < 1:
+            raise ValueError("prefill_chunk and min_bucket must be >= 1")
         self.config = model.config
+        self.tokenizer = tokenizer
         self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        self.min_bucket = min_bucket
+        self.pipeline = pipeline
         self.graphdef, self.state = nnx.split(model)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnums=(4,))
+        self._state_sig = _signature(self.state)
+        if stop_ids is not None:
+            self.stop_ids = frozenset(stop_ids)
+        elif tokenizer is not None:
+            self.stop_ids = frozenset(tokenizer.stop_ids)
+        else:
+            self.stop_ids = frozenset({self.config.eos_token_id} - {None})
+        self._budgets: dict[tuple[str, int], ThinkingBudget] = {}
+        self._local: dict[tuple, object] = {}
+        self.compile_seconds = 0.0  # total over this engine's life
+        self._run_compile = 0.0
+        self.last_result: GenerationResult | None = None
 
-    def _prefill_fn(self, state, cache: Cache, tokens, valid):
-        model = nnx.merge(self.graphdef, state)
-        logits, cache = model(tokens, cache, valid=valid)
-        return logits[:, -1], cache
+    # ---- compilation --------------------------------------------------------------------
+    def _call(self, kind: str, *args):
+        """Run jitted `kind`, compiling it first if this signature is new (timed apart).
 
-    def _decode_fn(self, state, cache: Cache, token, key, params: SamplingParams):
-        model = nnx.merge(self.graphdef, state)
-        logits, cache = model(token[:, None], cache)
-        return sample_logits(logits[:, 0], key, params), cache
+        Programs are cached per engine and, across engines, per (graphdef, signature): a
+        second engine over a model of the same structure reuses them."""
+        jitted, n_static = _JITS[kind]
+        static, dyn = args[:n_static], args[n_static:]
+        uses_state = n_static == 1  # (graphdef, state, ...): the state signature is fixed
+        sig = _signature(dyn[1:] if uses_state else dyn)
+        key = (kind, static if not uses_state else None, sig)
+        fn = self._local.get(key)
+        if fn is None:
+            gkey = (kind, static, self._state_sig if uses_state else None, sig)
+            fn = _COMPILED.get(gkey)
+            if fn is None:
+                t0 = time.perf_counter()
+                fn = jitted.lower(*args).compile()
+                dt = time.perf_counter() - t0
+                self.compile_seconds += dt
+                self._run_compile += dt
+                if len(_COMPILED) >= _COMPILED_MAX:
+                    _COMPILED.pop(next(iter(_COMPILED)))
+                _COMPILED[gkey] = fn
+            self._local[key] = fn
+        return fn(*dyn)
 
-    def stream(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        params: SamplingParams = SamplingParams(),
-        stop_ids: frozenset[int] = frozenset(),
-    ) -> Iterator[np.ndarray]:
-        """Yield the next token of every sequence `[B]` per step (finished rows repeat their
-        last token); stops when every row hit a stop id or `max_new_tokens` is reached."""
-        b = len(prompts)
-        lengths = [len(p) for p in prompts]
-        if min(lengths) == 0:
-            raise ValueError("every prompt needs at least one token")
-        t = bucket_length(max(lengths))
-        if t + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt bucket {t} + max_new_tokens {max_new_tokens} exceeds the "
-                             f"cache length max_len={self.max_len}")
-        tokens = np.zeros((b, t), np.int32)
-        valid = np.zeros((b, t), bool)
-        for i, p in enumerate(prompts):
-            tokens[i, t - len(p):] = p
-            valid[i, t - len(p):] = True
-        cache = self.init_cache(b)
-        last_logits, cache = self._prefill(self.state, cache, jnp.asarray(tokens), jnp.asarray(valid))
-        key = jax.random.key(params.seed)
-        key, sub = jax.random.split(key)
-        token = sample_logits(last_logits, sub, params)
-        done = np.zeros(b, bool)
-        for step in range(max_new_tokens):
-            host = np.asarray(token)
-            yield host
-            done |= np.isin(host, list(stop_ids))
-            if done.all() or step == max_new_tokens - 1:
-                return
-            key, sub = jax.random.split(key)
-            token, cache = self._decode(self.state, cache, token, sub, params)
+    def warmup(self, batch: int = 1, prompt_len: int = 1) -> float:
+        """Compile the programs for (batch, bucket of prompt_len); returns compile seconds."""
+        before = self.compile_seconds
+        self.generate([[0] * prompt_len] * batch, max_new_tokens=2,
+                      stop_ids=frozenset())
+        return self.compile_seconds - before
 
     def init_cache(self, batch: int) -> Cache:
-        from ..cache import init_cache
+        return self._call("init_cache", self.config, batch, self.max_len)
 
-        return init_cache(self.config, batch, self.max_len)
+    def _budget(self, fmt: str, budget: int) -> ThinkingBudget:
+        key = (fmt, budget)
+        if key not in self._budgets:
+            make = ThinkingBudget.k3 if fmt == "k3" else ThinkingBudget.k2
+            self._budgets[key] = make(self.tokenizer, budget)
+        return self._budgets[key]
 
-    def generate(self, prompts, max_new_tokens, params=SamplingParams(), stop_ids=frozenset()):
-        """All generated tokens per prompt (cut after the first stop id), with timings."""
-        out: list[list[int]] = [[] for _ in prompts]
-        finished = [False] * len(prompts)
-        t0 = time.perf_counter()
-        t_first = None
-        steps = 0
-        for step_tokens in self.stream(prompts, max_new_tokens, params, stop_ids):
-            if t_first is None:
-                t_first = time.perf_counter()
-            steps += 1
-            for i, tok in enumerate(step_tokens.tolist()):
-                if not finished[i]:
-                    out[i].append(tok)
-                    finished[i] = tok in stop_ids
+    # ---- public API ---------------------------------------------------------------------
+    def stream(self, prompts: Sequence[Sequence[int] | Request], max_new_tokens: int = 64,
+               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               stop_ids=None, stop: Sequence[str] | str = (), thinking_budget: int | None = None,
+               parse: bool = False, chat_format: str = "k3") -> Iterator[StreamDelta]:
+        """Yield a `StreamDelta` per row per step (rows that finished are skipped).
+
+        `prompts` are token-id lists or `Request`s (which carry their own settings); the
+        keyword arguments fill in plain prompts. After the iterator ends, `last_result`
+        holds the completions and timings.
+        """
+        reqs = normalize_requests(prompts, max_new_tokens, params, stop_ids, stop,
+                                  thinking_budget, parse, chat_format)
+        yield from self._run(reqs)
+
+    def generate(self, prompts, max_new_tokens: int = 64, params=None, stop_ids=None, *,
+                 stop: Sequence[str] | str = (), thinking_budget: int | None = None,
+                 parse: bool = False, chat_format: str = "k3") -> GenerationResult:
+        """Run to completion; see `stream` for the arguments."""
+        for _ in self.stream(prompts, max_new_tokens, params, stop_ids=stop_ids, stop=stop,
+                             thinking_budget=thinking_budget, parse=parse,
+                             chat_format=chat_format):
+            pass
+        return self.last_result
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self, reqs: list[Request]) -> Iterator[StreamDelta]:
+        self._run_compile = 0.0
+        t_start = time.perf_counter()
+        b = len(reqs)
+        lengths = [len(r.prompt) for r in reqs]
+        length, width = plan_prefill(max(lengths), self.prefill_chunk, self.min_bucket)
+        steps = max(r.max_new_tokens for r in reqs)
+        if length + steps > self.max_len:
+            raise ValueError(f"prompt bucket {length} + max_new_tokens {steps} exceeds the cache "
+                             f"length max_len={self.max_len}; raise Engine(max_len=...)")
+        vocab = self.config.vocab_size
+        bad = sorted({t for r in reqs for t in r.prompt if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:10]} outside the vocabulary [0, {vocab})")
+        rows = [RowController(i, r, self.tokenizer, self.stop_ids,
+                              self._budget(r.chat_format, r.thinking_budget)
+                              if r.thinking_budget is not None else None)
+                for i, r in enumerate(reqs)]
+
+        tokens = np.zeros((b, length), np.int32)
+        valid = np.zeros((b, length), bool)
+        for i, r in enumerate(reqs):
+            tokens[i, length - len(r.prompt):] = r.prompt
+            valid[i, length - len(r.prompt):] = True
+        cache = self.init_cache(b)
+        for c in range(0, length, width):
+            logits, cache = self._call("prefill", self.graphdef, self.state, cache,
+                                       jnp.asarray(tokens[:, c:c + width]),
+                                       jnp.asarray(valid[:, c:c + width]))
+        arrays = sampler_arrays([r.params for r in reqs], [r.prompt for r in reqs], vocab)
+        force = np.asarray([row.force() for row in rows], np.int32)
+        token, sampler = self._call("first", logits, arrays, force)
+        host = np.asarray(token)
+        t_first = time.perf_counter()
+        compile_prefill = self._run_compile
+
+        n_steps = 0
+        while True:
+            # Dispatch the next step before the host work when its forced ids are known now.
+            pending = None
+            live = [row for row in rows if not row.done]
+            if self.pipeline and n_steps + 1 < steps:
+                ahead = [row.predict_force_after_next() for row in rows]
+                if all(a is not None for a in ahead):
+                    pending = self._call("decode", self.graphdef, self.state, cache, token,
+                                         sampler, np.asarray(ahead, np.int32))
+            for row in live:
+                delta = row.push(int(host[row.index]))
+                yield delta
+            n_steps += 1
+            if all(row.done for row in rows) or n_steps >= steps:
+                break
+            if pending is None:
+                force = np.asarray([row.force() for row in rows], np.int32)
+                pending = self._call("decode", self.graphdef, self.state, cache, token, sampler,
+                                     force)
+            token, cache, sampler = pending
+            host = np.asarray(token)
         t_end = time.perf_counter()
-        return GenerationResult(out, (t_first or t_end) - t0, t_end - (t_first or t_end),
-                                sum(len(p) for p in prompts), max(steps - 1, 0))
+        for row in rows:  # rows cut by the global step limit (cannot happen: each has its own)
+            if not row.done:
+                row.finish_reason = row.finish_reason or "length"
+        completions = [row.completion(n) for row, n in zip(rows, lengths)]
+        self.last_result = GenerationResult(
+            completions=completions,
+            prefill_seconds=t_first - t_start - compile_prefill,
+            decode_seconds=t_end - t_first - (self._run_compile - compile_prefill),
+            compile_seconds=self._run_compile,
+            prompt_tokens=sum(lengths),
+            padded_prompt_tokens=b * length,
+            decode_steps=n_steps - 1,
+            decode_tokens=sum(max(len(c.tokens) - 1, 0) for c in completions),
+        )

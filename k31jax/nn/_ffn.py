@@ -38,6 +38,17 @@ def _weight_value(w):
     return w.weight() if isinstance(w, PackedExperts) else w[...]
 
 
+def _ep_plan(ep: str, n_tokens: int, weights):
+    """The expert-parallel plan when a mesh is active and its rules split the experts."""
+    import jax
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return None
+    from ..sharding._ep import make_plan
+
+    return make_plan(n_tokens, weights, exchange=ep)
+
+
 class DenseMLP(nnx.Module):
     """`down(act(gate x, up x))`; also the fused shared experts."""
 
@@ -85,19 +96,32 @@ class LatentMoE(nnx.Module):
             activation=c.moe_router_activation_func, n_group=c.num_expert_group,
             topk_group=c.topk_group)
 
-    def __call__(self, x, *, impl="auto"):
-        """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights)."""
+    def __call__(self, x, *, impl="auto", ep="auto"):
+        """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights).
+
+        impl: the local grouped matmul ("auto" | "ragged" | "gather").
+        ep: expert parallelism under an active mesh whose rules split the experts:
+        "auto" (the platform's exchange), "ragged" | "dense" | "allgather" (a given exchange,
+        `k31jax.sharding.EXCHANGES`), or "off" (leave the experts to the partitioner). Without
+        a mesh, or with unsplit experts, it is the single-device path whatever `ep` says.
+        """
         c = self.cfg
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         idx, weights = self.route(flat)
         u_in = flat @ self.latent_down[...] if c.latent_moe else flat
-        u = _moe.routed_experts(
-            u_in, idx, weights, *(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down)),
-            hidden_act=c.hidden_act, beta_gate=c.activation_situ_beta,
-            beta_up=c.activation_situ_linear_beta, impl=impl,
-            weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8",
-        ).astype(x.dtype)
+        kwargs = dict(hidden_act=c.hidden_act, beta_gate=c.activation_situ_beta,
+                      beta_up=c.activation_situ_linear_beta,
+                      weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8")
+        ws = tuple(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down))
+        plan = _ep_plan(ep, b * t, ws) if ep != "off" else None
+        if plan is None:
+            u = _moe.routed_experts(u_in, idx, weights, *ws, impl=impl, **kwargs)
+        else:
+            from ..sharding._ep import ep_routed_experts
+
+            u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, **kwargs)
+        u = u.astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:
                 u = _norms.rms_norm(u, self.latent_norm[...], c.rms_norm_eps)

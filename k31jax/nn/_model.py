@@ -20,6 +20,8 @@ from ..cache import Cache, init_cache
 from ..config import ModelConfig
 from ..ops import _norms
 from ..ops._attn_res import attn_res_mix
+from ..sharding._rules import constrain
+from ..sharding._state import constrain_cache
 from ._ffn import DenseMLP, LatentMoE
 from ._kda_layer import KDAMixer
 from ._mla_layer import MLAMixer
@@ -111,6 +113,7 @@ class K31ForCausalLM(nnx.Module):
         return_intermediates: bool = False,
         moe_impl: str = "auto",
         sparse_impl: str = "auto",
+        ep: str = "auto",
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, dict[str, Any]]:
         """Run `tokens [B, T]`, continuing `cache` when given.
 
@@ -118,11 +121,16 @@ class K31ForCausalLM(nnx.Module):
         no other token's result. With `return_intermediates`, a third output holds per-layer
         activations stacked on a leading layer axis (attn_in, attn_out, mlp_in, mlp_out,
         prefix, router_idx, router_weights).
+
+        Under a mesh (`jax.set_mesh`, see `k31jax.sharding`), activations are constrained to
+        their logical shardings at layer boundaries and the routed experts run expert-parallel
+        (`ep`: "auto" | "ragged" | "dense" | "allgather" | "off", see `LatentMoE`). Without a
+        mesh both are no-ops.
         """
         cfg = self.config
         b, t = tokens.shape
         act = jnp.dtype(cfg.dtype)
-        x0 = jnp.take(self.embed[...], tokens, axis=0).astype(act)
+        x0 = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(act), "batch", "seq", "act_embed")
         if cache is not None:
             pos = cache.pos
             new_valid = jnp.ones((b, t), bool) if valid is None else valid
@@ -162,7 +170,7 @@ class K31ForCausalLM(nnx.Module):
             return dense[slot](x), *no_route
 
         def run_moe(slot, x):
-            return moe[slot](x, impl=moe_impl)
+            return moe[slot](x, impl=moe_impl, ep=ep)
 
         def mixer(is_mla, slot, x, c):
             if kda is None or mla is None or isinstance(is_mla, (bool, np.bool_)):
@@ -191,14 +199,17 @@ class K31ForCausalLM(nnx.Module):
                 h = prefix
             attn_out, c = mixer(row["is_mla"], row["mixer_slot"],
                                 _norms.rms_norm(h, norms.input_norm, cfg.rms_norm_eps), c)
-            prefix = prefix + attn_out.astype(act)
+            prefix = constrain(prefix + attn_out.astype(act), "batch", "seq", "act_embed")
+            c = constrain_cache(c)
             if cfg.use_attn_res:
                 h2 = attn_res_mix(blocks, n_blocks, prefix, norms.mlp_res_norm, norms.mlp_res_proj, cfg.rms_norm_eps)
             else:
                 h2 = prefix
             mlp_out, r_idx, r_w = ffn(row["is_moe"], row["ffn_slot"],
                                       _norms.rms_norm(h2, norms.post_norm, cfg.rms_norm_eps))
-            prefix = prefix + mlp_out.astype(act)
+            prefix = constrain(prefix + mlp_out.astype(act), "batch", "seq", "act_embed")
+            if cfg.use_attn_res:
+                blocks = constrain(blocks, "batch", "seq", None, "act_embed")
             out = None
             if return_intermediates:
                 out = dict(attn_in=h, attn_out=attn_out, mlp_in=h2, mlp_out=mlp_out, prefix=prefix,
@@ -234,9 +245,10 @@ class K31ForCausalLM(nnx.Module):
         else:
             h = prefix
         final = _norms.rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
-        logits = jnp.dot(final, self.lm_head[...], preferred_element_type=jnp.float32)
+        logits = constrain(jnp.dot(final, self.lm_head[...], preferred_element_type=jnp.float32),
+                           "batch", "seq", "act_vocab")
         if cache is not None:
-            cache = cache.replace(pos=cache.pos + t)
+            cache = constrain_cache(cache.replace(pos=cache.pos + t))
         if return_intermediates:
             inter = dict(inter, embed=x0, final_attn_res=h, final_hidden=final)
             return logits, cache, inter

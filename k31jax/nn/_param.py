@@ -16,11 +16,19 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """An `nnx.Param` annotated with logical axis names, one per dimension.
 
     Sharding is applied eagerly only when a mesh is active, so the same modules build on a
-    laptop CPU, under `nnx.eval_shape`, and under a device mesh.
+    laptop CPU, under `nnx.eval_shape`, and under a device mesh. The names are resolved by
+    `k31jax.sharding` (its rule table, with divisibility fallback), not by Flax's rules.
     """
     if len(axes) != value.ndim:
         raise ValueError(f"axes {axes} do not match a parameter of shape {value.shape}")
-    return nnx.Param(value, out_sharding=axes, eager_sharding=_mesh_active())
+    if not _mesh_active():
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+    from ..sharding._rules import param_local_rules, shard_param_value
+
+    # `sharding_rules` lets Flax's own tools (nnx.eval_shape / get_abstract_model /
+    # get_partition_spec under this mesh) resolve the names exactly as k31jax does.
+    return nnx.Param(shard_param_value(value, axes), out_sharding=axes, eager_sharding=False,
+                     sharding_rules=param_local_rules(axes, value.shape))
 
 
 def normal(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:

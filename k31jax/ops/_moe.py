@@ -67,8 +67,18 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
 def grouped_matmul(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False,
+    *,
+    impl: str = "xla",
 ) -> Float[Array, "M out"]:
-    """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc)."""
+    """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc).
+
+    impl: "xla" (the default) | "pallas" | "interpret" | "auto" — for an `MXFP4Weight`, the
+    in-kernel-dequantising grouped matmul of `k31jax.kernels.mxfp4_matmul`.
+    """
+    if impl != "xla":
+        from ..kernels.mxfp4_matmul import grouped_matmul as _kernel
+
+        return _kernel(x_sorted, w, group_sizes, weight_fake_quant, impl=impl)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _RAGGED_DN,
                                    preferred_element_type=jnp.float32)
@@ -148,6 +158,9 @@ def routed_experts(
     chosen experts, which is what decode with few tokens wants.
     impl="auto": "gather" when there are fewer assignments than experts, else "blocked" on
     CPU and "ragged" elsewhere.
+    impl="pallas" | "interpret": the same sort, then the Pallas MXFP4 grouped matmul of
+    `k31jax.kernels.mxfp4_matmul` (gate and up fused in one launch); float weights fall back
+    to `ragged_dot`.
     """
     n, k = idx.shape
     num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
@@ -176,6 +189,14 @@ def routed_experts(
 
         h = act(gmm(xs, w_gate), gmm(xs, w_up))
         return combine(gmm(qin(h), w_down), order, weights)
+    if impl in ("pallas", "interpret"):
+        from ..kernels.mxfp4_matmul import grouped_matmul_gate_up
+
+        xs, order, sizes = permute(x, idx, num_experts)
+        xs = qin(xs)
+        g, u = grouped_matmul_gate_up(xs, w_gate, w_up, sizes, weight_fake_quant, impl=impl)
+        y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=impl)
+        return combine(y, order, weights)
     if impl == "gather":
         flat = idx.reshape(-1)
         xs = qin(jnp.repeat(x, k, axis=0))
@@ -190,4 +211,5 @@ def routed_experts(
         y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
         return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
                           precision=jax.lax.Precision.HIGHEST)
-    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged', 'blocked' or 'gather'")
+    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged', 'blocked', 'gather', "
+                     "'pallas' or 'interpret'")

@@ -1,0 +1,343 @@
+"""The k31jax Orbax checkpoint: reading it back into a model (`load_checkpoint`).
+
+A converted checkpoint (`k31jax convert`) is an Orbax v1 pytree checkpoint written layer by
+layer with partial saves. Its tree (see `_plan.py`): unstacked leaves under their model
+path (`embed`, `lm_head`, `final_norm`, ...), each layer's slots under
+`layers/layer_{i:03d}/<kind>/<leaf>` (routed experts as `packed`/`scale` uint8 leaves or
+float leaves), and the vision tower / projector verbatim under `vision/`. Its custom
+metadata (`k31jax`) holds the release `config.json`, the effective config overrides and
+the conversion options; `k31jax_source_layout.json` records the source shards for `export`.
+
+`load_checkpoint` restores the text model layer group by layer group (a bounded number of
+bytes per Orbax call) and stacks the per-layer slots into the model's stacked parameters on
+the target shardings: the host holds one call's bytes at a time, and the devices at most
+one extra copy of one leaf while its slots are concatenated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ._names import stack_layers
+from ._plan import CheckpointError, layer_key
+
+FORMAT = "k31jax.orbax/1"
+META_KEY = "k31jax"
+LAYOUT_FILE = "k31jax_source_layout.json"
+ASSETS_DIR = "k31jax_assets"
+_STACKED = ("norms", "kda", "mla", "dense", "moe")
+
+
+def _ocp():
+    import orbax.checkpoint.experimental.v1 as ocp1
+
+    return ocp1
+
+
+# ----------------------------------------------------------------------------- saving options
+@contextlib.contextmanager
+def save_context(*, chunk_byte_size: int = 1 << 28, fsync_each_write: bool = False, use_ocdbt: bool = True):
+    """Orbax options for the converter: no compression (MXFP4 bytes do not compress), no
+    defensive copy of host arrays, and leaves larger than `chunk_byte_size` (the routed
+    experts: 4.9 GB per leaf in K3) stored in chunks of at most that size, split along the
+    leading (expert / vocab) axis first, so a sharded restore reads only the chunks it needs;
+    smaller leaves are one chunk each (chunking costs write speed). With `fsync_each_write=False` TensorStore's per-write fsync is
+    switched off for the duration (the converter syncs every file once at the end)."""
+    ocp1 = _ocp()
+    ctx = ocp1.Context()
+    ctx.array.saving.use_compression = False
+    ctx.array.saving.use_ocdbt = use_ocdbt
+    ctx.memory.deepcopy_host_arrays = False
+    storage = ocp1.options.ArrayOptions.Saving.StorageOptions
+
+    def chunked(_, value):  # split the leading axis (experts, vocab) first: that is what restores shard
+        if getattr(value, "nbytes", 0) <= chunk_byte_size:
+            return None
+        return storage(chunk_byte_size=chunk_byte_size, shard_axes=(0,))
+
+    ctx.array.saving.scoped_storage_options_creator = chunked
+    patched = []
+    if not fsync_each_write:
+        try:
+            from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+            for d in (tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT):
+                patched.append((d, "file_io_sync" in d, d.get("file_io_sync")))
+                d["file_io_sync"] = False
+        except (ImportError, AttributeError):  # a different orbax: keep its defaults
+            patched = []
+    try:
+        with ctx:
+            yield ctx
+    finally:
+        for d, had, old in patched:
+            if had:
+                d["file_io_sync"] = old
+            else:
+                d.pop("file_io_sync", None)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (durability before the final rename)."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- reading
+def checkpoint_info(path: str | os.PathLike) -> dict:
+    """The k31jax metadata of a complete converted checkpoint, or a `CheckpointError`."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    ocp1 = _ocp()
+    if not (path / "_CHECKPOINT_METADATA").exists() or not ocp1.is_orbax_checkpoint(path):
+        raise CheckpointError(f"{path}: not a finalized Orbax checkpoint (an interrupted conversion leaves none)")
+    try:
+        meta = ocp1.metadata(path)
+    except Exception as e:  # noqa: BLE001 - any orbax failure means "not a usable checkpoint"
+        raise CheckpointError(f"{path}: unreadable Orbax metadata ({type(e).__name__}: {e})") from None
+    info = (meta.custom_metadata or {}).get(META_KEY)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a k31jax checkpoint (custom metadata {META_KEY!r} with format "
+                              f"{FORMAT!r} missing); convert a release folder with `k31jax convert`")
+    info = dict(info, stored=meta.metadata)
+    return info
+
+
+def checkpoint_config(info: dict, **overrides) -> ModelConfig:
+    fields = dict(info.get("overrides") or {})
+    fields.update(overrides)
+    return ModelConfig.from_hf(info["config"], **fields)
+
+
+def _flat(tree, prefix=()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for key, v in flat.items():
+        t = tree
+        for k in key[:-1]:
+            t = t.setdefault(k, {})
+        t[key[-1]] = v
+    return tree
+
+
+def load_stored(path: str | os.PathLike, keys, stored: dict | None = None) -> dict[tuple[str, ...], np.ndarray]:
+    """Host (numpy) copies of the stored leaves `keys` (Orbax key paths), in their stored dtype."""
+    ocp1 = _ocp()
+    path = Path(path).absolute()
+    if stored is None:
+        stored = _flat(ocp1.metadata(path).metadata)
+    targets = {}
+    for k in keys:
+        if k not in stored:
+            raise CheckpointError(f"{path}: stored leaf {'/'.join(k)} is missing")
+        m = stored[k]
+        targets[k] = np.empty(tuple(m.shape), np.dtype(m.dtype))
+    if not targets:
+        return {}
+    ctx = ocp1.Context()
+    ctx.pytree.loading.partial_load = True
+    with ctx:
+        out = ocp1.load(str(path), _nest(targets))
+    return {k: np.asarray(v) for k, v in _flat(out).items()}
+
+
+def load_vision(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The vision tower and projector tensors by release name, as stored (verbatim)."""
+    info = checkpoint_info(path)
+    stored = _flat(info["stored"])
+    keys = [k for k in stored if k[0] == "vision"]
+    return {".".join(k[1:]): v for k, v in load_stored(path, keys, stored).items()}
+
+
+def _resolve_shardings(shardings, targets: dict) -> dict[tuple[str, ...], object]:
+    flat_t = _flat(targets)
+    if shardings is None:  # uncommitted arrays on the default device, like a freshly built model
+        return dict.fromkeys(flat_t)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return dict.fromkeys(flat_t, shardings)
+    from flax import nnx
+
+    if isinstance(shardings, nnx.State):
+        shardings = nnx.to_pure_dict(shardings)
+    flat_s = {}
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)):
+        key = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in kp)
+        flat_s[key] = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+    missing = [k for k in flat_t if flat_s.get(k) is None]
+    if missing:
+        raise CheckpointError(f"shardings: no sharding for parameters {['/'.join(k) for k in missing[:6]]}")
+    return {k: flat_s[k] for k in flat_t}
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _concat(parts: tuple, sharding) -> jax.Array:
+    if sharding is None:
+        return jnp.concatenate(parts)
+    return jax.jit(lambda *p: jnp.concatenate(p), out_shardings=sharding)(*parts)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype=None,
+    shardings=None,
+    max_bytes_per_call: int = 2 << 30,
+):
+    """Restore a converted checkpoint as a ready `K31ForCausalLM`.
+
+    dtype: compute / parameter dtype (e.g. `jnp.float32` for exact comparisons; default
+    bfloat16); the model's float32 parameters stay float32 and packed MXFP4 experts stay
+    uint8. shardings: None (the default device), one `jax.sharding.Sharding` for every
+    parameter, or a tree like `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (or the
+    abstract state of `nnx.get_abstract_model`) of shardings / arrays carrying one.
+    Layers are restored in calls of at most `max_bytes_per_call` bytes. The vision subtree
+    is not read (see `load_vision`).
+    """
+    from flax import nnx
+
+    from ..nn import K31ForCausalLM
+
+    path = Path(path).absolute()
+    info = checkpoint_info(path)
+    cfg = checkpoint_config(info, dtype=str(jnp.dtype(dtype or jnp.bfloat16)))
+    abstract = nnx.eval_shape(lambda: K31ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    targets = nnx.to_pure_dict(abs_state)
+    flat_t = _flat(targets)
+    shard = _resolve_shardings(shardings, targets)
+    stored = _flat(info["stored"])
+    layers_of = stack_layers(cfg)
+
+    def where(key, slot):  # model leaf (+ slot) -> stored key
+        if key[0] in _STACKED:
+            return ("layers", layer_key(layers_of[key[0]][slot])) + key
+        return key
+
+    def check(key, skey, want_shape):
+        m = stored.get(skey)
+        if m is None:
+            raise CheckpointError(f"{path}: stored leaf {'/'.join(skey)} is missing (needed for "
+                                  f"{'/'.join(key)})")
+        if tuple(m.shape) != tuple(want_shape):
+            raise CheckpointError(f"{path}: stored leaf {'/'.join(skey)} has shape {list(m.shape)}, the model "
+                                  f"built from the checkpoint's config expects {list(want_shape)}")
+
+    out: dict[tuple[str, ...], jax.Array] = {}
+    used: set[tuple[str, ...]] = set()
+    plain = [k for k in flat_t if k[0] not in _STACKED]
+    for k in plain:
+        check(k, k, flat_t[k].shape)
+    host = load_stored(path, plain, stored)
+    for k in plain:
+        out[k] = _place(host[k].astype(flat_t[k].dtype, copy=False), shard[k])
+        used.add(k)
+    del host
+    # Stacked leaves: consecutive layers per call, bounded bytes; each leaf's slots of a call
+    # are consecutive, so they land in the stacked buffer with one update.
+    per_layer: dict[int, list[tuple[tuple[str, ...], int]]] = {}
+    for k in flat_t:
+        if k[0] in _STACKED:
+            for slot, layer in enumerate(layers_of[k[0]]):
+                per_layer.setdefault(layer, []).append((k, slot))
+    calls, cur, size = [], [], 0
+    for layer in sorted(per_layer):
+        b = sum(int(np.prod(flat_t[k].shape[1:])) * np.dtype(flat_t[k].dtype).itemsize for k, _ in per_layer[layer])
+        if cur and size + b > max_bytes_per_call:
+            calls.append(cur)
+            cur, size = [], 0
+        cur.append(layer)
+        size += b
+    if cur:
+        calls.append(cur)
+    # A leaf's slots arrive in runs of consecutive layers. Small leaves are assembled on the
+    # host; the others as device arrays on the target sharding, concatenated once complete.
+    host_limit = max(max_bytes_per_call // 64, 1 << 16)
+    pending: dict[tuple[str, ...], list] = {}
+    for layers in calls:
+        items = [(k, slot) for layer in layers for k, slot in per_layer[layer]]
+        for k, slot in items:
+            check(k, where(k, slot), flat_t[k].shape[1:])
+        host = load_stored(path, [where(k, slot) for k, slot in items], stored)
+        by_leaf: dict[tuple[str, ...], list[int]] = {}
+        for k, slot in items:
+            by_leaf.setdefault(k, []).append(slot)
+            used.add(where(k, slot))
+        for k, slots in by_leaf.items():
+            t = flat_t[k]
+            chunk = np.stack([host.pop(where(k, s)) for s in slots]).astype(t.dtype, copy=False)
+            if len(slots) == t.shape[0]:
+                out[k] = _place(chunk, shard[k])
+                continue
+            small = t.size * np.dtype(t.dtype).itemsize <= host_limit
+            parts = pending.setdefault(k, [])
+            parts.append(chunk if small else _place(chunk, _run_sharding(shard[k])))
+            if sum(p.shape[0] for p in parts) == t.shape[0]:
+                del pending[k]
+                if small:
+                    out[k] = _place(np.concatenate(parts), shard[k])
+                else:
+                    out[k] = _concat(tuple(parts), shard[k])
+                del parts
+        del host
+    extra = sorted("/".join(k) for k in stored if k[0] != "vision" and k not in used)
+    if extra:
+        raise CheckpointError(f"{path}: stored leaves {extra[:6]} are not parameters of the model built from the "
+                              "checkpoint's config (a checkpoint written for another config?)")
+    nnx.replace_by_pure_dict(abs_state, _nest(out))
+    return nnx.merge(graphdef, abs_state)
+
+
+def _run_sharding(sh):
+    """The sharding for a run of consecutive layer slots: the stacked spec with the layers
+    axis unsharded (it is usually unsharded already). None stays None (default device)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if isinstance(sh, NamedSharding):
+        spec = tuple(sh.spec)
+        return NamedSharding(sh.mesh, PartitionSpec(None, *spec[1:]))
+    return sh
+
+
+def read_layout(path: str | os.PathLike) -> dict | None:
+    """The recorded source layout of a converted checkpoint (None when absent)."""
+    f = Path(path) / LAYOUT_FILE
+    if not f.exists():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: corrupt layout record ({e})") from None

@@ -1,0 +1,22 @@
+"""The notebooks run top to bottom (CI executes them; outputs are not compared)."""
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError with the failing cell's traceback
+
+
+def test_quickstart_is_there():
+    assert any(p.name == "quickstart.ipynb" for p in NOTEBOOKS)
