@@ -46,3 +46,16 @@ def make_model():
     def make(cfg, seed=0, scale=0.05):
         return randomize(K31ForCausalLM(cfg, rngs=nnx.Rngs(seed)), seed + 1, scale)
     return make
+
+
+def abstract(cls, *args):
+    """The module with abstract parameters (no random init, which compiles per shape); every
+    parameter is then filled from NumPy, so a leftover abstract leaf would fail loudly."""
+    return nnx.eval_shape(lambda: cls(*args, rngs=nnx.Rngs(0)))
+
+
+def rel_err(got, want):
+    """max |got - want| / max(1, max |want|): absolute for O(1) tensors, relative for big ones."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0))

@@ -21,18 +21,9 @@ try:
 except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
     import refs as R
 
-
-def abstract(cls, *args):
-    """The module with abstract parameters (no random init, which compiles per shape); every
-    parameter is then filled from NumPy, so a leftover abstract leaf would fail loudly."""
-    return nnx.eval_shape(lambda: cls(*args, rngs=nnx.Rngs(0)))
+from conftest import abstract, rel_err  # noqa: E402
 
 
-def rel_err(got, want):
-    """max |got - want| / max(1, max |want|)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0))
 
 
 def by_expert(idx, w):
