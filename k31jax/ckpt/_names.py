@@ -70,7 +70,6 @@ def vision_sources(names) -> list[Source]:
             for n in sorted(names) if n.startswith(VISION_PREFIXES)]
 
 
-_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 
 
 def param_sources(cfg: ModelConfig, names) -> list[Source]:
@@ -156,12 +155,3 @@ def param_sources(cfg: ModelConfig, names) -> list[Source]:
                     for p in ("gate_proj", "up_proj", "down_proj")]
             dense_slot += 1
     return out
-
-
-def expert_tensor_names(prefix: str) -> tuple[str, ...]:
-    """The tensors one routed expert weight may be stored as (bf16, or MXFP4 packed + scale)."""
-    return (prefix + ".weight", prefix + ".weight_packed", prefix + ".weight_scale")
-
-
-def is_expert_tensor(name: str) -> bool:
-    return _EXPERT_RE.search(name) is not None

@@ -88,13 +88,3 @@ class KDAMixer(nnx.Module):
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
         o = (o * self.o_norm[...] * gate).reshape(b, t, h * dk).astype(x.dtype)
         return o @ self.o_proj[...], state, jnp.stack(new_hist, axis=1)
-
-
-def conv_cache_shape(cfg: ModelConfig, batch: int) -> tuple[int, ...]:
-    return (batch, 3, cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_conv_size - 1)
-
-
-def state_shape(cfg: ModelConfig, batch: int) -> tuple[int, ...]:
-    return (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
-
-
