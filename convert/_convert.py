@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from k31jax.ckpt._orbax import (ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, _flat, fsync_tree, load_stored,
+from k31jax.ckpt._orbax import (ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, _flat, flush_new_files, fsync_tree, load_stored,
                                 save_context)
-from k31jax.ckpt._plan import CheckpointError, Plan, build_value, make_plan, unbuild_value
+from k31jax.ckpt._plan import CheckpointError, Plan, build_value, build_values, make_plan, unbuild_value
 from k31jax.ckpt._safetensors import DTYPES, SafetensorsIndex, TensorReader, no_gc
 from k31jax.config import ModelConfig
 
@@ -276,15 +276,16 @@ def convert(
     calls = plan.calls(max_call_bytes)
     bar = Progress(plan.source_bytes, "convert", enabled=progress)
     arenas = (_Arena(), _Arena())  # one call being read while the previous one is written
-    with atomic_folder(dst, overwrite, "k31jax") as tmp, TensorReader() as reader:
+    with atomic_folder(dst, overwrite, "k31jax") as tmp, TensorReader(drop_cache=True) as reader:
 
         def build(i):
             group, entries = calls[i]
             arena = arenas[i % 2]
             arena.reset(entries)
-            return _nest((e.key, build_value(e, reader, plan.cfg, out=arena.alloc(e.shape, e.dtype)))
-                         for e in entries)
+            outs = build_values(entries, reader, plan.cfg, [arena.alloc(e.shape, e.dtype) for e in entries])
+            return _nest((e.key, out) for e, out in zip(entries, outs))
 
+        flushed: set[str] = set()
         with save_context(chunk_byte_size=chunk_byte_size), ThreadPoolExecutor(1) as pool, no_gc():
             nxt = pool.submit(build, 0) if calls else None
             for i, (group, entries) in enumerate(calls):
@@ -292,6 +293,8 @@ def convert(
                 nxt = pool.submit(build, i + 1) if i + 1 < len(calls) else None
                 ocp1.partial.save(str(tmp), tree, custom_metadata=meta if i == 0 else None)
                 del tree
+                if sync:
+                    flush_new_files(tmp.parent, flushed)  # partial saves live next to tmp
                 bar.update(sum(e.source_bytes for e in entries), group)
             ocp1.partial.finalize(str(tmp))
         (tmp / LAYOUT_FILE).write_text(json.dumps(_layout_record(index, plan), separators=(",", ":")))

@@ -31,10 +31,10 @@ import numpy as np
 from ..config import ModelConfig
 from ._names import F32_PARAMS, INDEXER_RE, VISION_PREFIXES, Source, detect_prefix, param_sources, vision_sources
 from ._safetensors import DTYPES, TensorInfo, no_gc
-from ._transforms import (FLOAT_DTYPES, CheckpointError, _get, build_value, canonical_tensors, expected_dtypes,
+from ._transforms import (FLOAT_DTYPES, CheckpointError, _get, build_value, build_values, canonical_tensors, expected_dtypes,
                           expected_shapes, unbuild_value)
 
-__all__ = ["CheckpointError", "Entry", "Plan", "build_value", "canonical_tensors", "expected_dtypes",
+__all__ = ["CheckpointError", "Entry", "Plan", "build_value", "build_values", "canonical_tensors", "expected_dtypes",
            "expected_shapes", "layer_key", "make_plan", "unbuild_value"]
 
 Mode = Literal["tensor", "stack", "dequant", "init"]

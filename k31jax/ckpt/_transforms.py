@@ -144,6 +144,26 @@ def build_value(entry: Entry, reader, cfg: ModelConfig, *, out: np.ndarray | Non
     return out
 
 
+def build_values(entries: list[Entry], reader, cfg: ModelConfig, outs: list[np.ndarray]) -> list[np.ndarray]:
+    """`build_value` for many entries into the preallocated `outs`, with every verbatim byte
+    copy (the stacked MXFP4 experts: the bulk of a release) gathered into one
+    `reader.read_many`, which reads them in file order in large sequential windows."""
+    jobs, copied, rest = [], [], []
+    for entry, out in zip(entries, outs):
+        if entry.mode == "stack" and all(DTYPES[i.dtype] == entry.dtype for i in entry.tensors):
+            jobs.extend((info, out[e]) for e, info in enumerate(entry.tensors))
+            copied.append((entry, out))
+        else:
+            rest.append((entry, out))
+    reader.read_many(jobs)
+    for entry, out in copied:
+        if entry.part == "scale":
+            _nan_scales(out, entry.tensors, entry.describe())
+    for entry, out in rest:
+        build_value(entry, reader, cfg, out=out)
+    return outs
+
+
 def _transpose_into(out: np.ndarray, src: np.ndarray, rows: int = 128) -> None:
     """out = src.T for a C-contiguous 2-D `src`, in row blocks: ~2x numpy's plain transposed
     copy (whose writes stride through the whole output)."""
