@@ -1,13 +1,8 @@
-"""Shared plumbing for the Pallas kernels: the `impl` seam, Triton compiler params, padding.
+"""Shared plumbing for the Pallas kernels: Triton compiler params, padding, GPU lowering.
 
-Every kernel sits behind `impl ∈ {"xla", "pallas", "interpret"}` (jax_notes.md §7):
-
-- "xla": the op's jnp reference path (the oracle), unchanged numerics;
-- "pallas": the Pallas-Triton kernel compiled for the GPU;
-- "interpret": the same kernel body run by the Pallas interpreter (any backend, CPU tests);
-- None / "auto": "pallas" when the default backend is a GPU, else "xla".
-
-The kernels use Pallas-Triton (`pl.pallas_call` + `plt.CompilerParams`), which runs in
+The kernels are reached through the ops' `impl=` seam (`k31jax.ops._impl`, jax_notes.md §7):
+"pallas" compiles them for the GPU, "interpret" runs the same bodies in the Pallas
+interpreter (CPU tests). The kernels use Pallas-Triton (`pl.pallas_call` + `plt.CompilerParams`), which runs in
 interpret mode on CPU; every block shape handed to a `tl.dot` is a power of two >= 16, so
 the wrappers pad small head/latent widths with zeros (exact for every op here).
 """
@@ -28,23 +23,14 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
     plt = None
     _TritonParams = None
 
-IMPLS = ("xla", "pallas", "interpret")
-
-
-def resolve_impl(impl: str | None) -> str:
-    """None/"auto" -> "pallas" on a GPU backend, "xla" elsewhere; validates the name."""
-    if impl is None or impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
-    return impl
+KERNEL_IMPLS = ("pallas", "interpret")
 
 
 def call(kernel, *, out_shape, grid, impl: str, num_warps: int = 4, num_stages: int = 2,
          input_output_aliases=None, name: str | None = None):
     """`pl.pallas_call` over whole-array refs (kernels index them with `pl.ds`)."""
-    if impl not in ("pallas", "interpret"):
-        raise ValueError(f"kernel impl={impl!r}: expected 'pallas' or 'interpret'")
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernel impl={impl!r}: expected one of {KERNEL_IMPLS} (the XLA path is the op itself)")
     kw = {}
     if _TritonParams is not None:
         kw["compiler_params"] = _TritonParams(num_warps=num_warps, num_stages=num_stages)

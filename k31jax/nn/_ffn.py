@@ -96,10 +96,12 @@ class LatentMoE(nnx.Module):
             activation=c.moe_router_activation_func, n_group=c.num_expert_group,
             topk_group=c.topk_group)
 
-    def __call__(self, x, *, impl="auto", ep="auto"):
+    def __call__(self, x, *, impl="auto", ep="auto", kernels=None):
         """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights).
 
-        impl: the local grouped matmul ("auto" | "ragged" | "gather").
+        impl: the local grouped matmul ("auto" | "ragged" | "blocked" | "gather" | "pallas").
+        kernels: the ops' `impl` seam that "auto" consults for packed MXFP4 experts (None: the
+        Pallas grouped matmul on a GPU).
         ep: expert parallelism under an active mesh whose rules split the experts:
         "auto" (the platform's exchange), "ragged" | "dense" | "allgather" (a given exchange,
         `k31jax.sharding.EXCHANGES`), or "off" (leave the experts to the partitioner). Without
@@ -116,7 +118,7 @@ class LatentMoE(nnx.Module):
         ws = tuple(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down))
         plan = _ep_plan(ep, b * t, ws) if ep != "off" else None
         if plan is None:
-            u = _moe.routed_experts(u_in, idx, weights, *ws, impl=impl, **kwargs)
+            u = _moe.routed_experts(u_in, idx, weights, *ws, impl=impl, kernels=kernels, **kwargs)
         else:
             from ..sharding._ep import ep_routed_experts
 

@@ -52,13 +52,14 @@ class KDAMixer(nnx.Module):
         self.o_norm = constant((dk,), 1.0, jnp.float32, ("norm",))
         self.o_proj = normal(rngs, (c, d), std, dt, ("heads", "embed"))
 
-    def __call__(self, x, state=None, conv=None, valid=None):
+    def __call__(self, x, state=None, conv=None, valid=None, *, kernels=None):
         """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, state, conv).
 
         state `[B, H, dk, dv]` fp32 and conv `[B, 3, C, K-1]` (pre-conv q/k/v inputs, oldest
         first) continue a sequence; None starts one. `valid` `[B, T]` marks real tokens:
         padded positions become identity steps (no decay, no write, zero conv input).
-        T == 1 takes the recurrent step, longer inputs the chunked form.
+        T == 1 takes the recurrent step, longer inputs the chunked form. kernels: the ops'
+        `impl` seam (None: the Pallas kernels on a GPU, XLA elsewhere).
         """
         b, t, _ = x.shape
         h, dk = self.num_heads, self.head_dim
@@ -80,9 +81,10 @@ class KDAMixer(nnx.Module):
         if valid is not None:
             g, beta = _kda.kda_mask_padding(valid, g, beta)
         if t == 1 and state is not None:
-            o, state = _kda.kda_recurrent(q, k, v, g, beta, state)
+            o, state = _kda.kda_recurrent(q, k, v, g, beta, state, impl=kernels)
         else:
-            o, state = _kda.kda_chunked(q, k, v, g, beta, state, self.chunk_size)
+            o, state = _kda.kda_chunked(q, k, v, g, beta, state, self.chunk_size, impl=kernels,
+                                        lower_bound=self.lower_bound)
         gate_in = x @ self.g_proj[...] if self.full_rank_gate else (x @ self.g_a_proj[...]) @ self.g_b_proj[...]
         gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)

@@ -77,13 +77,14 @@ class MLAMixer(nnx.Module):
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
 
     def __call__(self, x, c_kv_cache=None, k_pe_cache=None, index_cache=None, *, pos=0,
-                 key_valid=None, sparse_impl="auto"):
+                 key_valid=None, sparse_impl="auto", kernels=None):
         """x `[B, T, D]` -> (y, c_kv_cache, k_pe_cache, index_cache).
 
         Without caches the T tokens attend among themselves. With caches (`[B, S, ·]`), the new
         latents are written at `pos` and the queries (absolute positions pos..pos+T-1) attend
         over the whole buffer; `key_valid [B, S]` marks written, non-padding slots (it must
-        already include the new tokens). sparse_impl: "mask" | "gather" | "auto".
+        already include the new tokens). sparse_impl: "mask" | "gather" | "auto". kernels: the
+        ops' `impl` seam for the sparse attention and the top-k (None: Pallas on a GPU).
         """
         b, t, _ = x.shape
         h, dn, dr = self.num_heads, self.dn, self.dr
@@ -110,12 +111,12 @@ class MLAMixer(nnx.Module):
         if select:
             qi, wi = self.indexer.queries(c_q, x)
             sel_idx, sel_valid = _indexer.select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
-                                                      key_valid, self.indexer.top_k)
+                                                      key_valid, self.indexer.top_k, impl=kernels)
             if sparse_impl == "auto":
                 sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_impl == "gather":
             o = _mla.mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
-                                          sel_valid, self.scale)
+                                          sel_valid, self.scale, impl=kernels)
         else:
             if select:
                 mask = mask & _indexer.selection_mask(sel_idx, sel_valid, s_len)

@@ -114,6 +114,7 @@ class K31ForCausalLM(nnx.Module):
         moe_impl: str = "auto",
         sparse_impl: str = "auto",
         ep: str = "auto",
+        kernels: str | None = None,
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, dict[str, Any]]:
         """Run `tokens [B, T]`, continuing `cache` when given.
 
@@ -126,6 +127,10 @@ class K31ForCausalLM(nnx.Module):
         their logical shardings at layer boundaries and the routed experts run expert-parallel
         (`ep`: "auto" | "ragged" | "dense" | "allgather" | "off", see `LatentMoE`). Without a
         mesh both are no-ops.
+
+        kernels: the ops' `impl` seam for the hot paths — KDA chunk / decode step, sparse MLA
+        attention, indexer top-k, MXFP4 grouped matmul: None / "auto" (the Pallas kernels on a
+        GPU outside an auto-partitioned mesh, XLA elsewhere), "xla", "pallas", "interpret".
         """
         cfg = self.config
         b, t = tokens.shape
@@ -149,18 +154,18 @@ class K31ForCausalLM(nnx.Module):
         def run_kda(slot, x, c):
             st = None if c is None else c.kda_state[slot]
             cv = None if c is None else c.kda_conv[slot]
-            y, st, cv = kda[slot](x, st, cv, valid)
+            y, st, cv = kda[slot](x, st, cv, valid, kernels=kernels)
             if c is not None:
                 c = c.replace(kda_state=c.kda_state.at[slot].set(st), kda_conv=c.kda_conv.at[slot].set(cv))
             return y, c
 
         def run_mla(slot, x, c):
             if c is None:
-                y, *_ = mla[slot](x, key_valid=key_valid, sparse_impl=sparse_impl)
+                y, *_ = mla[slot](x, key_valid=key_valid, sparse_impl=sparse_impl, kernels=kernels)
                 return y, c
             ik = None if c.index_keys is None else c.index_keys[slot]
             y, ckv, kpe, ik = mla[slot](x, c.mla_ckv[slot], c.mla_kpe[slot], ik, pos=pos,
-                                        key_valid=key_valid, sparse_impl=sparse_impl)
+                                        key_valid=key_valid, sparse_impl=sparse_impl, kernels=kernels)
             c = c.replace(mla_ckv=c.mla_ckv.at[slot].set(ckv), mla_kpe=c.mla_kpe.at[slot].set(kpe),
                           index_keys=None if ik is None else c.index_keys.at[slot].set(ik))
             return y, c
@@ -170,7 +175,7 @@ class K31ForCausalLM(nnx.Module):
             return dense[slot](x), *no_route
 
         def run_moe(slot, x):
-            return moe[slot](x, impl=moe_impl, ep=ep)
+            return moe[slot](x, impl=moe_impl, ep=ep, kernels=kernels)
 
         def mixer(is_mla, slot, x, c):
             if kda is None or mla is None or isinstance(is_mla, (bool, np.bool_)):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._impl import resolve_impl
 from ._norms import layer_norm
 
 _HI = jax.lax.Precision.HIGHEST
@@ -48,7 +49,7 @@ def select_topk(
     top_k: int,
     key_block: int | None = None,
     *,
-    impl: str = "xla",
+    impl: str | None = None,
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """Causal top-min(k, S) selection per query, the query's own position included.
 
@@ -56,13 +57,17 @@ def select_topk(
     `key_valid[b, s]`. Returns indices into the key axis and whether each slot holds a real
     candidate (early rows have fewer than k). With `key_block`, keys are streamed in blocks
     with a running top-k, so no `[T, S]` score matrix is ever built.
-    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — fused masked scores
-    from `k31jax.kernels.sparse_mla` then `lax.top_k` (decode; builds `[B, T, S]` scores).
+    impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" fused masked
+    scores from `k31jax.kernels.sparse_mla`, then `lax.top_k` — it builds `[B, T, S]` scores,
+    so None / "auto" takes it on a GPU for decode (T = 1) only. The selection is discrete:
+    no gradient flows through it on either path.
     """
+    impl = resolve_impl(impl, supported=q.shape[1] == 1)
     if impl != "xla":
-        from ..kernels.sparse_mla import select_topk as _kernel
+        from ..kernels.sparse_mla import select_topk as kernel
 
-        return _kernel(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
+        q, w, k = jax.lax.stop_gradient((q, w, k))
+        return kernel(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
     s_len = k.shape[1]
     kk = min(top_k, s_len)
 

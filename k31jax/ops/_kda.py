@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from ._impl import resolve_impl, with_reference_grad
+
 _HI = jax.lax.Precision.HIGHEST
+KERNEL_CHUNK_SIZES = (16, 32, 64, 128)  # the chunk sizes the Pallas kernel takes
 
 
 def short_conv(
@@ -74,18 +77,20 @@ def kda_recurrent(
     beta: Float[Array, "B T H"],
     initial_state: Float[Array, "B H dk dv"] | None = None,
     *,
-    impl: str = "xla",
+    impl: str | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
 
     q and k are used as given (already L2-normalised, q scaled). Used for decode steps; fp32.
-    impl: "xla" (this scan, the default) | "pallas" | "interpret" | "auto" — the fused decode-step
-    kernel of `k31jax.kernels.kda_chunk` ("auto": the kernel on GPU, this scan elsewhere).
+    impl (see `_impl.resolve_impl`): "xla" is this scan; "pallas" / "interpret" the fused
+    decode-step kernel of `k31jax.kernels.kda_chunk`; None / "auto" the kernel on a GPU.
     """
+    impl = resolve_impl(impl)
     if impl != "xla":
-        from ..kernels.kda_chunk import kda_recurrent as _kernel
+        from ..kernels.kda_chunk import kda_recurrent as kernel
 
-        return _kernel(q, k, v, g, beta, initial_state, impl=impl)
+        return with_reference_grad(functools.partial(kernel, impl=impl),
+                                   functools.partial(kda_recurrent, impl="xla"))(q, k, v, g, beta, initial_state)
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
@@ -111,7 +116,7 @@ def kda_chunked(
     initial_state: Float[Array, "B H dk dv"] | None = None,
     chunk_size: int = 64,
     *,
-    impl: str = "xla",
+    impl: str | None = None,
     lower_bound: float | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """Chunked WY/UT form of `kda_recurrent` (kda.md §5), for prefill and training.
@@ -120,16 +125,18 @@ def kda_chunked(
     step (α = 1, k = 0, β = 0). Pairwise decays are materialised per chunk as
     `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`, which never overflows whatever the gate (kda.md §6a).
 
-    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — the Pallas kernel
-    of `k31jax.kernels.kda_chunk` ("auto": the kernel on GPU, this path elsewhere).
+    impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
+    `k31jax.kernels.kda_chunk` (chunk sizes 16-128); None / "auto" the kernel on a GPU.
     `lower_bound` (the gate's bound, None for softplus) only lets the kernel factor its
     diagonal sub-chunk tiles (kda.md §6b); this path ignores it.
     """
+    impl = resolve_impl(impl, supported=chunk_size in KERNEL_CHUNK_SIZES)
     if impl != "xla":
-        from ..kernels.kda_chunk import kda_chunked as _kernel
+        from ..kernels.kda_chunk import kda_chunked as kernel
 
-        return _kernel(q, k, v, g, beta, initial_state, chunk_size, lower_bound=lower_bound,
-                       impl=impl)
+        return with_reference_grad(
+            functools.partial(kernel, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
+            functools.partial(kda_chunked, chunk_size=chunk_size, impl="xla"))(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size

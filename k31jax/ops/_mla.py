@@ -6,9 +6,13 @@ Masks are boolean `[B, T, S]` (True = may attend); a query with no allowed key y
 finite (uniform) row instead of NaN, so padding never poisons other tokens.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
+
+from ._impl import resolve_impl, with_reference_grad
 
 _HI = jax.lax.Precision.HIGHEST
 _NEG = jnp.finfo(jnp.float32).min
@@ -72,18 +76,22 @@ def mla_attention_sparse(
     valid: Bool[Array, "B T K"],
     scale: float,
     *,
-    impl: str = "xla",
+    impl: str | None = None,
 ) -> Float[Array, "B T H dv"]:
     """Absorbed attention over only the selected latent rows `idx` (DSA, attention.md §3).
 
     Gathers `[B, T, K, r + dr]` rows; never builds a `[T, S]` mask.
-    impl: "xla" (this path, the default) | "pallas" | "interpret" | "auto" — the Pallas kernel
-    of `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise).
+    impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
+    `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise); None / "auto"
+    the kernel on a GPU.
     """
+    impl = resolve_impl(impl)
     if impl != "xla":
-        from ..kernels.sparse_mla import mla_attention_sparse as _kernel
+        from ..kernels.sparse_mla import mla_attention_sparse as kernel
 
-        return _kernel(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale, impl=impl)
+        return with_reference_grad(functools.partial(kernel, scale=scale, impl=impl),
+                                   functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(
+            q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid)
     f32 = jnp.float32
     gather = jax.vmap(lambda rows, i: rows[i])
     ckv_sel = gather(c_kv, idx).astype(f32)  # [B, T, K, r]

@@ -8,6 +8,7 @@ jitted graph right before its matmul, so the packed bytes are what lives in memo
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ from jaxtyping import Array, Float, Int, UInt8
 from ..quant import fake_quant as fake_quant_weight
 from ..quant import mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
+from ._impl import resolve_impl, with_reference_grad
 
 
 class MXFP4Weight(NamedTuple):
@@ -68,17 +70,20 @@ def grouped_matmul(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False,
     *,
-    impl: str = "xla",
+    impl: str | None = "xla",
 ) -> Float[Array, "M out"]:
     """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc).
 
-    impl: "xla" (the default) | "pallas" | "interpret" | "auto" — for an `MXFP4Weight`, the
-    in-kernel-dequantising grouped matmul of `k31jax.kernels.mxfp4_matmul`.
+    impl (see `_impl.resolve_impl`): "xla" (the default here; `routed_experts` chooses) is
+    this path; "pallas" / "interpret" the in-kernel-dequantising grouped matmul of
+    `k31jax.kernels.mxfp4_matmul` for an `MXFP4Weight` (float weights stay on this path).
     """
-    if impl != "xla":
-        from ..kernels.mxfp4_matmul import grouped_matmul as _kernel
+    impl = resolve_impl(impl, supported=isinstance(w, MXFP4Weight))
+    if impl != "xla" and isinstance(w, MXFP4Weight):
+        from ..kernels.mxfp4_matmul import grouped_matmul as kernel
 
-        return _kernel(x_sorted, w, group_sizes, weight_fake_quant, impl=impl)
+        return with_reference_grad(functools.partial(kernel, impl=impl),
+                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _RAGGED_DN,
                                    preferred_element_type=jnp.float32)
@@ -143,6 +148,7 @@ def routed_experts(
     beta_gate: float = 4.0,
     beta_up: float | None = 25.0,
     impl: str = "auto",
+    kernels: str | None = None,
     weight_fake_quant: bool = False,
     activation_fake_quant: bool = False,
 ) -> Float[Array, "N d"]:
@@ -156,16 +162,21 @@ def routed_experts(
     impl="blocked": the same sort, then a loop over expert-homogeneous row blocks (CPU).
     impl="gather": gather each assignment's weights and run a batched matmul; reads only the
     chosen experts, which is what decode with few tokens wants.
-    impl="auto": "gather" when there are fewer assignments than experts, else "blocked" on
-    CPU and "ragged" elsewhere.
     impl="pallas" | "interpret": the same sort, then the Pallas MXFP4 grouped matmul of
     `k31jax.kernels.mxfp4_matmul` (gate and up fused in one launch); float weights fall back
     to `ragged_dot`.
+    impl="auto": for MXFP4 weights, the kernel whenever the seam `kernels` resolves to one
+    (`_impl.resolve_impl`: None picks it on a GPU); otherwise "gather" when there are fewer
+    assignments than experts, else "blocked" on CPU and "ragged" elsewhere.
     """
     n, k = idx.shape
+    packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
     num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
     if impl == "auto":
-        if n * k < num_experts:
+        kernel = resolve_impl(kernels, supported=packed)
+        if packed and kernel != "xla":
+            impl = kernel
+        elif n * k < num_experts:
             impl = "gather"
         else:
             # XLA:CPU's ragged_dot does ~E dense matmuls; worth avoiding once they are big
@@ -194,7 +205,13 @@ def routed_experts(
 
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
-        g, u = grouped_matmul_gate_up(xs, w_gate, w_up, sizes, weight_fake_quant, impl=impl)
+        if isinstance(w_gate, MXFP4Weight) and isinstance(w_up, MXFP4Weight):
+            g, u = with_reference_grad(
+                functools.partial(grouped_matmul_gate_up, impl=impl),
+                lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
+                xs, w_gate, w_up, sizes)
+        else:
+            g, u = (grouped_matmul(xs, w, sizes, weight_fake_quant) for w in (w_gate, w_up))
         y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=impl)
         return combine(y, order, weights)
     if impl == "gather":

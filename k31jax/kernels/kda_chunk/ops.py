@@ -1,4 +1,4 @@
-"""Dispatch seam for the KDA kernels: `impl ∈ {"xla", "pallas", "interpret"}` (None = by backend).
+"""The kernel paths of `ops.kda_chunked` / `ops.kda_recurrent` (`impl` "pallas" | "interpret").
 
 Dtype policy: q, k, v, g, β may be bf16; everything is upcast to fp32 (the recurrence is an
 fp32 island, kda.md §5-§6) and the outputs and state are fp32, exactly as the XLA ops.
@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._common import pad_axis, pow2_at_least, resolve_impl
+from .._common import pad_axis, pow2_at_least
+from ...ops._kda import KERNEL_CHUNK_SIZES
 from . import pallas_kda
-from .ref import kda_chunked_ref, kda_recurrent_ref
 
 # |Γ_i − Γ_m| inside a 16-row tile is < 8·|lb| around its middle row: factor the diagonal tiles
 # only while that stays far from fp32's e^88.7 (kda.md §6b; lb = −5 gives e^40).
 MAX_FACTORED_BOUND = 10.0
+CHUNK_SIZES = KERNEL_CHUNK_SIZES
 
 
 def factor_diagonal(lower_bound: float | None) -> bool:
@@ -34,10 +35,10 @@ def kda_chunked(
     chunk_size: int = 64,
     *,
     lower_bound: float | None = None,
-    impl: str | None = None,
+    impl: str = "pallas",
     precision: str = "highest",
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
-    """`ops.kda_chunked` with a kernel seam. `lower_bound` is the gate's bound (None for the
+    """The kernel path of `ops.kda_chunked`. `lower_bound` is the gate's bound (None for the
     softplus gate); it only selects the diagonal-tile factorisation, never the maths.
     `precision`: the kernel's matmuls, "highest" (IEEE fp32, the default) or "tf32x3"
     (3-pass TF32 on the tensor cores, ~fp32 accuracy; GPU only, fp32 in interpret mode).
@@ -45,11 +46,8 @@ def kda_chunked(
     Chunk sizes 16, 32, 64, 128 run on the kernel; any T (zero-padded to a multiple of the
     chunk, an exact identity step) and any head width (zero-padded to a power of two ≥ 16).
     """
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return kda_chunked_ref(q, k, v, g, beta, initial_state, chunk_size)
-    if chunk_size not in (16, 32, 64, 128):
-        raise ValueError(f"kda_chunked kernel: chunk_size={chunk_size} not in (16, 32, 64, 128)")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"kda_chunked kernel: chunk_size={chunk_size} not in {CHUNK_SIZES}")
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size
@@ -81,13 +79,10 @@ def kda_recurrent(
     beta: Float[Array, "B T H"],
     initial_state: Float[Array, "B H dk dv"] | None = None,
     *,
-    impl: str | None = None,
+    impl: str = "pallas",
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
-    """`ops.kda_recurrent` with a kernel seam: each token is one fused decode-step launch
+    """The kernel path of `ops.kda_recurrent`: each token is one fused decode-step launch
     (decay, read, delta write, read-out; the state updated in place), scanned over T."""
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return kda_recurrent_ref(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     dkp, dvp = pow2_at_least(dk), pow2_at_least(dv)

@@ -1,6 +1,5 @@
-"""Dispatch seam for sparse gated-MLA attention and the indexer decode top-k.
-
-`impl ∈ {"xla", "pallas", "interpret"}`; None picks "pallas" on a GPU backend, else "xla".
+"""The kernel paths of `ops.mla_attention_sparse` and `ops.select_topk` (`impl` "pallas" |
+"interpret"), plus the fused masked indexer scores.
 
 Dtype policy: the absorbed query `W_UKᵀ q_nope` and the `W_UV` up-projection are the XLA op's
 fp32 einsums. Inside the kernel, fp32 caches give fp32 (IEEE) matmuls; bf16 caches give bf16
@@ -14,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._common import pad_axis, pow2_at_least, resolve_impl
+from .._common import pad_axis, pow2_at_least
 from .pallas_indexer import indexer_scores_masked
 from .pallas_sparse_mla import combine_splits, sparse_latent_attention
-from .ref import absorb_query, mla_attention_sparse_ref, select_topk_ref
+from .ref import absorb_query
 
 H200_SMS = 132
 BLOCK_K = 32
@@ -39,18 +38,15 @@ def mla_attention_sparse(
     valid: Bool[Array, "B T K"],
     scale: float,
     *,
-    impl: str | None = None,
+    impl: str = "pallas",
     n_split: int | None = None,
 ) -> Float[Array, "B T H dv"]:
-    """`ops.mla_attention_sparse` with a kernel seam (absorbed form over the selected rows).
+    """The kernel path of `ops.mla_attention_sparse` (absorbed form over the selected rows).
 
     T == 1 is the decode kernel: the K slots are split over `n_split` programs (default: enough
     to give the H200's 132 SMs two programs each) and merged; T > 1 is the prefill kernel, one
     program per (query, head block) with its own selection.
     """
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return mla_attention_sparse_ref(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale)
     b, t, h, _ = q_nope.shape
     r, dr = c_kv.shape[-1], k_pe.shape[-1]
     kk = idx.shape[-1]
@@ -84,18 +80,13 @@ def indexer_scores(
     q_pos: Int[Array, "T"],
     key_valid: Bool[Array, "B S"],
     *,
-    impl: str | None = None,
+    impl: str = "pallas",
     block_s: int = 64,
 ) -> Float[Array, "B T S"]:
-    """Masked index scores `[B, T, S]` (−inf where `s > q_pos[t]` or the key is invalid)."""
-    impl = resolve_impl(impl)
+    """Masked index scores `[B, T, S]` (−inf where `s > q_pos[t]` or the key is invalid), the
+    kernel form of `ops.indexer_scores` plus the causal / validity mask."""
     b, t, hi, di = q.shape
     s_len = k.shape[1]
-    if impl == "xla":
-        from ...ops._indexer import indexer_scores as scores_xla
-
-        ok = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
-        return jnp.where(ok, scores_xla(q, w, k), -jnp.inf)
     hip, dip = pow2_at_least(hi), pow2_at_least(di)
     sp = -(-s_len // block_s) * block_s
     n = b * t
@@ -118,16 +109,13 @@ def select_topk(
     top_k: int,
     key_block: int | None = None,
     *,
-    impl: str | None = None,
+    impl: str = "pallas",
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
-    """`ops.select_topk` with a kernel seam: fused masked scores (Pallas), then `lax.top_k`.
+    """The kernel path of `ops.select_topk`: fused masked scores (Pallas), then `lax.top_k`.
 
     The kernel path builds the `[B, T, S]` score matrix, so it is meant for decode (T = 1) and
     short chunks; `key_block` (the XLA streaming top-k for long prefill) is ignored by it.
     """
-    impl = resolve_impl(impl)
-    if impl == "xla":
-        return select_topk_ref(q, w, k, q_pos, key_valid, top_k, key_block)
     scores = indexer_scores(q, w, k, q_pos, key_valid, impl=impl)
     vals, idx = jax.lax.top_k(scores, min(top_k, k.shape[1]))
     return idx.astype(jnp.int32), vals > -jnp.inf

@@ -1,0 +1,164 @@
+"""The ops' one kernel seam (`k31jax.ops._impl`): how `impl` resolves (backend, mesh,
+`K31JAX_KERNELS`), that the kernels differentiate exactly like the XLA paths they replace,
+and that a whole model run with `kernels="interpret"` (every hot path on its Pallas kernel:
+KDA chunk + decode step, sparse MLA, indexer top-k, MXFP4 grouped matmul) gives the logits
+and caches of `kernels="xla"`, in prefill and in decode."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err, tiny_config
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from k31jax import K31ForCausalLM
+from k31jax.ops import _impl, _kda, _mla, _moe
+from k31jax.quant import mxfp4_quantize_packed
+
+
+# ---------------------------------------------------------------------------- resolution
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Pretend the default backend is a GPU (resolution only; nothing is compiled)."""
+    monkeypatch.setattr(_impl.jax, "default_backend", lambda: "gpu")
+
+
+def test_auto_follows_the_backend(monkeypatch):
+    monkeypatch.delenv("K31JAX_KERNELS", raising=False)
+    want = "pallas" if jax.default_backend() == "gpu" else "xla"
+    assert _impl.resolve_impl(None) == _impl.resolve_impl("auto") == want
+    assert _impl.resolve_impl("interpret", supported=False) == "interpret"  # explicit: the kernel decides
+    with pytest.raises(ValueError, match=r"impl='triton': expected one of \('xla', 'pallas', 'interpret'\)"):
+        _impl.resolve_impl("triton")
+
+
+def test_auto_on_gpu_outside_and_inside_a_mesh(on_gpu, monkeypatch):
+    monkeypatch.delenv("K31JAX_KERNELS", raising=False)
+    assert _impl.resolve_impl(None) == "pallas"
+    assert _impl.resolve_impl(None, supported=False) == "xla"
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    seen = {}
+    with jax.set_mesh(mesh):
+        seen["partitioned"] = _impl.resolve_impl(None)
+
+        def per_device(x):
+            seen["shard_map"] = _impl.resolve_impl(None)
+            return x
+
+        jax.shard_map(per_device, in_specs=P("data", "model"), out_specs=P("data", "model"))(jnp.zeros((2, 4)))
+    assert seen == {"partitioned": "xla", "shard_map": "pallas"}
+
+
+def test_environment_override(on_gpu, monkeypatch):
+    monkeypatch.setenv("K31JAX_KERNELS", "xla")
+    assert _impl.resolve_impl(None) == "xla"
+    assert _impl.resolve_impl("interpret") == "interpret"  # an explicit argument wins
+    monkeypatch.setenv("K31JAX_KERNELS", "interpret")
+    assert _impl.resolve_impl("auto") == "interpret"
+    assert _impl.resolve_impl("auto", supported=False) == "xla"
+    monkeypatch.setenv("K31JAX_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="K31JAX_KERNELS='cuda'"):
+        _impl.resolve_impl(None)
+
+
+# ---------------------------------------------------------------------------- gradients
+def _grads(fn, args, argnums):
+    """Gradients of a random projection of fn's float outputs."""
+    def loss(*a):
+        out = fn(*a)
+        leaves = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+        return sum(jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=o.dtype).reshape(o.shape))) for o in leaves)
+    return jax.jit(jax.grad(loss, argnums=argnums))(*args)
+
+
+def _assert_same_grads(op, args, argnums, tol=1e-5):
+    got = _grads(functools.partial(op, impl="interpret"), args, argnums)
+    want = _grads(functools.partial(op, impl="xla"), args, argnums)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < tol
+
+
+def test_kda_grads_through_the_kernels():
+    rng = np.random.default_rng(0)
+    b, t, h, dk, dv = 1, 37, 2, 16, 16  # t: not a multiple of the chunk
+    q, k = (jnp.asarray(rng.standard_normal((b, t, h, dk)) * 0.3, jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+    g = jnp.asarray(-5.0 * rng.uniform(0.0, 1.0, (b, t, h, dk)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (b, t, h)), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)) * 0.1, jnp.float32)
+    chunked = functools.partial(_kda.kda_chunked, chunk_size=16, lower_bound=-5.0)
+    _assert_same_grads(chunked, (q, k, v, g, beta, s0), (0, 1, 2, 3, 4, 5))
+    step = lambda *a, impl: _kda.kda_recurrent(*(x[:, :1] for x in a[:5]), a[5], impl=impl)
+    _assert_same_grads(step, (q, k, v, g, beta, s0), (0, 1, 2, 3, 4, 5))
+
+
+def test_sparse_mla_grads_through_the_kernel():
+    rng = np.random.default_rng(1)
+    b, t, h, dn, dr, r, dv, s, kk = 1, 3, 4, 16, 8, 16, 16, 40, 12
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.3, jnp.float32)
+    args = (f(b, t, h, dn), f(b, t, h, dr), f(b, s, r), f(b, s, dr), f(r, h, dn), f(r, h, dv),
+            jnp.asarray(rng.integers(0, s, (b, t, kk)), jnp.int32), jnp.asarray(rng.random((b, t, kk)) < 0.8))
+    op = lambda *a, impl: _mla.mla_attention_sparse(*a, 0.2, impl=impl)
+    _assert_same_grads(op, args, (0, 1, 2, 3, 4, 5))
+
+
+def test_mxfp4_grouped_matmul_grads_through_the_kernel():
+    rng = np.random.default_rng(2)
+    e, n, k = 4, 32, 64
+    packed, scale = mxfp4_quantize_packed(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32))
+    w = _moe.MXFP4Weight(packed, scale)
+    sizes = jnp.asarray([5, 0, 9, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((17, k)), jnp.float32)
+    op = lambda x, impl: _moe.grouped_matmul(x, w, sizes, impl=impl)
+    _assert_same_grads(op, (x,), (0,))
+
+
+# ---------------------------------------------------------------------------- the model
+KERNELS = {"k31jax.kernels.kda_chunk": ("kda_chunked", "kda_recurrent"),
+           "k31jax.kernels.sparse_mla": ("mla_attention_sparse", "select_topk"),
+           "k31jax.kernels.mxfp4_matmul": ("grouped_matmul", "grouped_matmul_gate_up")}
+
+
+def test_model_on_the_kernels_equals_xla(monkeypatch):
+    """tiny (indexer top-8 < context, MXFP4 experts): prefill of 21 tokens then 3 decode steps,
+    every hot path on its interpret-mode kernel vs the XLA paths."""
+    import importlib
+
+    calls = {}
+    for module, names in KERNELS.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            def counted(*a, _f=getattr(mod, name), _n=name, **kw):
+                calls[_n, kw.get("impl")] = calls.get((_n, kw.get("impl")), 0) + 1
+                return _f(*a, **kw)
+            monkeypatch.setattr(mod, name, counted)
+    sparse_impl = "gather"  # the selected-rows attention (the kernel's op) in prefill too
+    cfg = tiny_config(expert_weights="mxfp4")
+    model = K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
+
+    @functools.partial(nnx.jit, static_argnames="kernels")
+    def run(model, tokens, kernels):
+        cache = model.init_cache(2, 32)
+        logits, cache = model(tokens[:, :21], cache, sparse_impl=sparse_impl, kernels=kernels)
+        steps = [logits[:, -1]]
+        for i in range(21, 24):
+            step, cache = model(tokens[:, i:i + 1], cache, sparse_impl=sparse_impl, kernels=kernels)
+            steps.append(step[:, -1])
+        return jnp.stack(steps, 1), cache
+
+    got, got_cache = run(model, tokens, "interpret")
+    assert {n for n, _ in calls} == {n for names in KERNELS.values() for n in names}
+    assert {impl for _, impl in calls} == {"interpret"}
+    calls.clear()
+    want, want_cache = run(model, tokens, "xla")
+    assert not calls
+    assert rel_err(got, want) < 1e-4
+    for g, w in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        if jnp.issubdtype(g.dtype, jnp.floating):
+            assert rel_err(g, w) < 1e-4
+        else:
+            np.testing.assert_array_equal(g, w)
