@@ -42,6 +42,10 @@ class MLAMixer(nnx.Module):
 
     # Prefill with a selection uses the [T, S] mask when T*S is at most this, else the gather.
     mask_path_max_elements = 1 << 22
+    # Prefill scores the indexer keys this many at a time with a running top-k, so the
+    # [B, T, heads, S] index logits of a long context are never built (1M keys: 4 GB per
+    # query at 64 heads in fp32; a block of 4096 keys: 1 MB).
+    index_key_block = 4096
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -110,8 +114,9 @@ class MLAMixer(nnx.Module):
         select = self.indexer is not None and self.indexer.top_k < s_len
         if select:
             qi, wi = self.indexer.queries(c_q, x)
+            key_block = self.index_key_block if t > 1 and s_len > self.index_key_block else None
             sel_idx, sel_valid = _indexer.select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
-                                                      key_valid, self.indexer.top_k, impl=kernels)
+                                                      key_valid, self.indexer.top_k, key_block, impl=kernels)
             if sparse_impl == "auto":
                 sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_impl == "gather":

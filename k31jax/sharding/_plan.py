@@ -30,6 +30,7 @@ DEVICES: dict[str, tuple[str, float]] = {
 }
 _ROUTED = ("w_gate", "w_up", "w_down")
 _MASK_PATH_MAX = 1 << 22  # MLAMixer.mask_path_max_elements
+_INDEX_KEY_BLOCK = 4096  # MLAMixer.index_key_block
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,7 +117,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, context: int, chunk: int, mes
             k = cfg.index_topk
             hi_loc = cfg.index_n_heads / _factor("index_heads", cfg.index_n_heads * cfg.index_head_dim,
                                                  mesh_shape, rules)
-            m += 2 * b * t * hi_loc * s * f32 + 2 * b * t * s * f32  # index dots + ReLU, scores
+            s_blk = min(s, _INDEX_KEY_BLOCK) if t > 1 else s  # prefill streams the keys in blocks
+            m += 2 * b * t * hi_loc * s_blk * f32 + 2 * b * t * (s_blk + k) * f32  # index dots + ReLU, scores
             if t * s > _MASK_PATH_MAX:
                 m += b * t * k * (r + dr) * f32 + 2 * per_logit * k * f32
             else:
