@@ -69,6 +69,10 @@ CASES = {
     "partial_before_end_is_kept": ("r<|close|>" + EOM, True, P("r<|close|>", None)),  # not a cut
     "truncated_partial_in_content": ("r" + CT + OR + "The answer<|close|>respo", True, P("r", "The answer")),
     "truncated_in_content": ("r" + CT + OR + "The ans", True, P("r", "The ans")),
+    # a forced close-thinking sequence cut by max_new_tokens: the header fragment is markup
+    "truncated_response_header": ("r" + CT + "<|open|>response", True, P("r", "")),
+    "truncated_response_header_open": ("r" + CT + "<|open|>", True, P("r", "")),
+    "truncated_think_header": ("<|open|>thin", True, P("", None)),
     "content_closed_by_message_close": ("r" + CT + OR + "Lima." + CM + EOM, True, P("r", "Lima.")),
     "stray_markers_after_content": ("r" + CT + OR + "A" + CR + "\n" + CR + CM + "\n" + EOM, True, P("r", "A")),
     "whitespace_inside_markers": ("r<|close|> think\n<|sep|><|open|>\tresponse <|sep|>A<|close|>response <|sep|>"

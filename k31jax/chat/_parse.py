@@ -167,6 +167,17 @@ def leftmost_marker(rx: regex.Pattern, text: str, pos: int, final: bool) -> rege
 _MARKER_START = regex.compile(r"[<\[]")
 
 
+def header_end(rx: regex.Pattern | None, text: str, pos: int, truncated: bool) -> int:
+    """Where the content after an optional channel header (``rx``, anchored at ``pos``)
+    starts. In truncated output, a header cut off mid-way (all the rest of ``text`` is a
+    proper prefix of it, e.g. a forced ``<|open|>response`` that ran out of tokens before
+    ``<|sep|>``) is markup, not text: it is consumed."""
+    if rx is None:
+        return pos
+    m = rx.match(text, pos, partial=truncated)
+    return pos if m is None else len(text) if m.partial else m.end()
+
+
 # ---- whole parse -----------------------------------------------------------------------
 def parse_output(g: Grammar, text: str, *, thinking: bool = True,
                  id_factory: IdFactory | None = None) -> ParsedMessage:
@@ -178,8 +189,7 @@ def parse_output(g: Grammar, text: str, *, thinking: bool = True,
     reasoning: str | None = None
     pos = 0
     if thinking:
-        m = g.start_think.match(body) if g.start_think else None
-        start = m.end() if m else 0
+        start = header_end(g.start_think, body, 0, not ended)
         m = g.reasoning.search(body, start)
         if m is None:
             tail = body[start:]
@@ -187,8 +197,7 @@ def parse_output(g: Grammar, text: str, *, thinking: bool = True,
         reasoning = body[start : m.start()]
         pos = m.end() if g.kind(m) == "close_think" else m.start()
 
-    m = g.start_response.match(body, pos) if g.start_response else None
-    cstart = m.end() if m else pos
+    cstart = header_end(g.start_response, body, pos, not ended)
     m = g.content.search(body, cstart)
     if m is None:
         tail = body[cstart:]
@@ -306,11 +315,11 @@ class StreamParser:
             buf, ph = self._buf, self._phase
             if ph in (_PRE_REASON, _PRE_CONTENT):
                 rx = g.start_think if ph == _PRE_REASON else g.start_response
-                m = rx.match(buf, self._pos, partial=not final) if rx else None  # anchored
-                if m is not None and m.partial:
+                m = rx.match(buf, self._pos, partial=True) if rx else None  # anchored
+                if m is not None and m.partial and not final:
                     break  # could still become the opening marker
-                if m is not None:
-                    self._pos = m.end()
+                if m is not None:  # at the end of a truncated stream a cut-off header is markup too
+                    self._pos = header_end(rx, buf, self._pos, truncated=True)
                 if ph == _PRE_CONTENT:
                     self._content = []
                 self._phase = _REASON if ph == _PRE_REASON else _CONTENT
