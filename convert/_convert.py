@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k31jax.ckpt._orbax import (ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, _flat, flush_new_files, fsync_tree, load_stored,
+from k31jax.ckpt._orbax import (ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, _flat, fast_partial_saves, flush_new_files, quiet_orbax, fsync_tree, load_stored,
                                 save_context)
 from k31jax.ckpt._plan import CheckpointError, Plan, build_value, build_values, make_plan, unbuild_value
 from k31jax.ckpt._safetensors import DTYPES, SafetensorsIndex, TensorReader, no_gc
@@ -197,7 +197,8 @@ def _nest(items) -> dict:
 def _verify(ckpt: Path, plan: Plan, reader: TensorReader, progress: Progress | None, max_call_bytes: int) -> None:
     import orbax.checkpoint.experimental.v1 as ocp1
 
-    stored = _flat(ocp1.metadata(ckpt).metadata)
+    with quiet_orbax():
+        stored = _flat(ocp1.metadata(ckpt).metadata)
     for group, entries in plan.calls(max_call_bytes):
         host = load_stored(ckpt, [e.key for e in entries], stored)
         for e in entries:
@@ -237,6 +238,7 @@ def convert(
     max_call_bytes: int = 256 << 20,
     chunk_byte_size: int = 1 << 28,
     sync: bool = True,
+    use_ocdbt: bool = False,
     out=None,
 ) -> ConvertResult:
     """Convert the release folder `src` into an Orbax checkpoint at `dst` (see module doc).
@@ -250,6 +252,9 @@ def convert(
     max_call_bytes: stored bytes per Orbax write call (whole layers packed together, a larger
     layer split between leaves). Two calls are in flight (one read, one written), so peak
     memory is about 3 x max(max_call_bytes, largest leaf) over the interpreter's baseline.
+    use_ocdbt: store the arrays in OCDBT databases instead of one zarr3 folder per leaf; off
+    by default because Orbax's finalize of ~1,100 partial saves (the release) is then
+    superlinear (see `k31jax.ckpt._orbax.save_context`).
     """
     out = out or sys.stdout
     t0 = time.perf_counter()
@@ -286,7 +291,7 @@ def convert(
             return _nest((e.key, out) for e, out in zip(entries, outs))
 
         flushed: set[str] = set()
-        with save_context(chunk_byte_size=chunk_byte_size), ThreadPoolExecutor(1) as pool, no_gc():
+        with save_context(chunk_byte_size=chunk_byte_size, use_ocdbt=use_ocdbt), fast_partial_saves(), ThreadPoolExecutor(1) as pool, no_gc():
             nxt = pool.submit(build, 0) if calls else None
             for i, (group, entries) in enumerate(calls):
                 tree = nxt.result()
