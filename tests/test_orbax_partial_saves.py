@@ -1,6 +1,8 @@
-"""`drop_interior_keys` (the converter's stand-in for Orbax's quadratic partial-save key
-filter) against Orbax's own `_filter_conflicting_keys` on random key sets: tuple keys (as
-Orbax writes them), plain '.'/'/' paths, and mixtures of the two."""
+"""The converter's Orbax partial-save helpers: `drop_interior_keys` (the stand-in for Orbax's
+quadratic finalize key filter) against Orbax's own `_filter_conflicting_keys` on random key
+sets (tuple keys as Orbax writes them, plain '.'/'/' paths, mixtures); `fast_partial_saves`
+(patched only inside, replacements still refused); `flush_new_files` (each save folder
+synced and dropped from the page cache once)."""
 
 import random
 
@@ -73,3 +75,34 @@ def test_linear_at_release_scale():
     out = drop_interior_keys(dict(keys))
     assert time.perf_counter() - t < 1.0
     assert len(out) == len(keys) - 1
+
+
+def test_flush_new_files_walks_each_save_folder_once(tmp_path, monkeypatch):
+    """Each call syncs and drops what appeared since the last one: new files near the top,
+    and the whole of each new partial-save folder (two levels down) exactly once."""
+    import os
+
+    from k31jax.ckpt._orbax import flush_new_files
+
+    flushed = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, a, b, advice: (
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd, a, b, advice)))
+
+    def write(rel):
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x" * 10)
+
+    seen: set[str] = set()
+    write("ck.partial_save/_META")
+    write("ck.partial_save/pending_1/state/d/a")
+    write("ck.partial_save/pending_1/state/b")
+    flush_new_files(tmp_path, seen)
+    assert sorted(os.path.relpath(f, tmp_path) for f in flushed) == [
+        "ck.partial_save/_META", "ck.partial_save/pending_1/state/b", "ck.partial_save/pending_1/state/d/a"]
+    flushed.clear()
+    write("ck.partial_save/pending_2/state/c")
+    write("ck.partial_save/pending_1/state/late")  # an old save folder is not walked again
+    flush_new_files(tmp_path, seen)
+    assert [os.path.relpath(f, tmp_path) for f in flushed] == ["ck.partial_save/pending_2/state/c"]
