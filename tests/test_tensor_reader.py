@@ -104,3 +104,18 @@ def test_read_many_without_o_direct(tmp_path, monkeypatch):
         assert r._direct and all(fd is None for fd in r._direct.values())
     for n in want:
         np.testing.assert_array_equal(outs[n], want[n])
+
+
+def test_read_many_reuses_its_window(tmp_path):
+    """One aligned window buffer for the reader's life (a fresh one per run would fault in
+    new pages on every read)."""
+    want = write_files(tmp_path)
+    infos = infos_of(tmp_path)
+    with TensorReader(drop_cache=True, window_bytes=8192) as r:
+        r.read_many([(infos["f0.t1"], np.empty(7, np.uint8))])
+        window = r._window
+        assert window.ctypes.data % 4096 == 0 and window.nbytes == 8192
+        out = np.empty(infos["f1.t8"].nbytes, np.uint8)
+        r.read_many([(infos["f1.t8"], out)])
+        assert r._window is window
+    np.testing.assert_array_equal(out, want["f1.t8"])

@@ -325,7 +325,7 @@ class TensorReader:
         fd = self._direct_fd(path)
         align = self._ALIGN if fd is not None else 1
         fd = self._fd(path) if fd is None else fd
-        if self._window.nbytes < self.window_bytes + self._ALIGN:
+        if self._window.nbytes < self.window_bytes:  # one aligned window, reused by every run
             raw = np.empty(self.window_bytes + self._ALIGN, np.uint8)
             skip = -raw.ctypes.data % self._ALIGN
             self._window = raw[skip:skip + self.window_bytes]
