@@ -10,7 +10,9 @@ import pytest
 
 from k31jax.ckpt._orbax import drop_interior_keys, fast_partial_saves
 
-saving = pytest.importorskip("orbax.checkpoint.experimental.v1._src.partial.saving")
+# A plain import, not importorskip: if Orbax moves these private functions, the converter's
+# patches stop applying (conversions turn quadratic again) and this file must fail loudly.
+from orbax.checkpoint.experimental.v1._src.partial import saving  # noqa: E402
 
 
 def random_keys(rng: random.Random, n: int) -> list[str]:
