@@ -319,7 +319,7 @@ class StreamParser:
                 if m is not None and m.partial and not final:
                     break  # could still become the opening marker
                 if m is not None:  # at the end of a truncated stream a cut-off header is markup too
-                    self._pos = header_end(rx, buf, self._pos, truncated=True)
+                    self._pos = len(buf) if m.partial else m.end()
                 if ph == _PRE_CONTENT:
                     self._content = []
                 self._phase = _REASON if ph == _PRE_REASON else _CONTENT
