@@ -123,7 +123,8 @@ def drop_interior_keys(d: dict) -> dict:
     leaf): tuple keys (their `repr`) by tuple prefix, other pairs by string prefix ending in
     '.' or '/'. The same result as Orbax's partial-save `_filter_conflicting_keys`, which
     compares every ordered pair of keys — quadratic in the leaf count, for every call being
-    merged: for the ~2,800 leaves of K3 written in ~650 calls, hours of finalize."""
+    merged: a 93-layer tree of K3's 3,180 leaves in 442 calls had not finished after 16
+    CPU-minutes."""
     parsed = {}
     for k in d:
         try:
@@ -155,7 +156,8 @@ def fast_partial_saves():
 
     Orbax's partial save re-reads and re-merges the metadata of every earlier call and checks
     each new key against all saved keys, and its finalize filters keys pairwise per call:
-    for K3's ~2,800 leaves in ~650 calls that is hours of bookkeeping. Inside this context the
+    for K3's 3,180 leaves in 647 calls that grows with the square of the calls (a 93-layer
+    synthetic tree in 442 calls had not finished after 16 CPU-minutes). Inside this context the
     replacement check keeps a set of the keys written so far (same errors: a key written
     twice, or a key that is a prefix of another, is refused) and finalize uses
     `drop_interior_keys`; both are restored afterwards. Where Orbax lacks these private
