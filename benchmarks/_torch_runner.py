@@ -2,7 +2,7 @@
 
 A standalone script for the torch venv, never imported by k31jax:
 
-    /work/torchvenv/bin/python benchmarks/_torch_runner.py --preset tiny --batch 2 \
+    ./.torchvenv/bin/python benchmarks/_torch_runner.py --preset tiny --batch 2 \
         --prompt-len 128 --decode-steps 32 --threads 8 [--generate]
 
 (See tests/golden/make_kimi_linear_golden.py for how the venv is made. Keep flash-linear-attention,

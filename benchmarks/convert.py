@@ -2,7 +2,7 @@
 
     python benchmarks/convert.py [--layers 24] [--experts 128] [--dir /tmp/k31jax-bench-convert] [--record]
 
-Writes a synthetic K3-shaped release (`convert.make_release_fixture.synthetic_config`: MXFP4
+Writes a synthetic K3-shaped release (`k31jax.conversion.synthetic_config`: MXFP4
 experts dominate the bytes as in the release; the defaults give 3.07 GB in 25 shards,
 133 MB per layer), then measures, each in a fresh process and each from a cold page cache
 for the source files (`posix_fadvise(DONTNEED)` on our own files; nothing machine-wide)
@@ -11,7 +11,7 @@ and again warm:
 - plain read: `cat SHARDS > /dev/null` (a 16 MiB-chunk Python loop where `cat` is missing);
 - plain copy: the same bytes read and written to new files, fsynced (the `cp` floor: a
   conversion has to write every byte too);
-- convert: `convert.convert(SRC, DST)` with its defaults (durable: files fsynced before the
+- convert: `k31jax.convert(SRC, DST)` with its defaults (durable: files fsynced before the
   final rename), throughput = source bytes / wall time, and its peak RSS (ru_maxrss);
 - export: the converted checkpoint back to the release layout.
 
@@ -73,7 +73,7 @@ print(f'{{"bytes": {n}, "seconds": {dt}, "rss": {resource.getrusage(resource.RUS
 CONVERT = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from convert import convert
+from k31jax import convert
 t = time.perf_counter()
 kw = {"chunk_byte_size": int(sys.argv[3])} if len(sys.argv) > 3 else {}
 r = convert(sys.argv[1], sys.argv[2], progress=False, **kw)
@@ -84,7 +84,7 @@ print(json.dumps({"bytes": r.source_bytes, "seconds": dt, "import_seconds": t - 
 
 EXPORT = """
 import json, resource, sys, time
-from convert import export
+from k31jax import export
 t = time.perf_counter()
 r = export(sys.argv[1], sys.argv[2], progress=False)
 print(json.dumps({"bytes": r.bytes, "seconds": time.perf_counter() - t,
@@ -147,16 +147,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from convert.make_release_fixture import _nbytes, release_layout, synthetic_config, write_release
+    from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
+    from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
 
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     cfg = synthetic_config(a.layers, a.experts)
     layout = release_layout(cfg, placement="release")
-    largest = max(sum(_nbytes(t) for t in ts) for _, ts in layout)
+    largest = max(sum(tensor_nbytes(t) for t in ts) for _, ts in layout)
     t = time.perf_counter()
-    src = write_release(base / "src", cfg, placement="release")
+    src = write_synthetic_release(base / "src", cfg, placement="release")
     gen = time.perf_counter() - t
     files = sorted(str(f) for f in src.glob("*.safetensors"))
     total = sum(os.path.getsize(f) for f in files)

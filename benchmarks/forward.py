@@ -3,7 +3,7 @@
 Both run the same Kimi-Linear-shaped config (the only family transformers implements), built
 from one HF config dict, in float32, in the same run. The torch side runs in its own venv
 (`benchmarks/_torch_runner.py`; see `tests/golden/make_kimi_linear_golden.py` for the venv),
-found at $K31JAX_TORCH_PYTHON or /work/torchvenv/bin/python; without it only k31jax is timed.
+found at $K31JAX_TORCH_PYTHON or ./.torchvenv/bin/python, made by scripts/make_torch_venv.sh; without it only k31jax is timed.
 
     .venv/bin/python benchmarks/forward.py [--batch 1] [--prompt-len 256] [--decode-steps 32]
 
@@ -99,7 +99,7 @@ def bench_k31jax(batch, prompt_len, steps, repeats):
 
 
 def bench_torch(batch, prompt_len, steps, repeats, threads):
-    py = os.environ.get("K31JAX_TORCH_PYTHON", "/work/torchvenv/bin/python")
+    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
     if not Path(py).exists():
         return None, f"no torch venv at {py}"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -10,7 +10,7 @@
   and exclude compilation. TTFT = prompt to first token on the host; decode tok/s = batch *
   (N - 1) / (time from the first token to the last).
 - transformers: `benchmarks/_torch_runner.py --generate --generate-only --generate-streamer` in
-  the torch venv ($K31JAX_TORCH_PYTHON or /work/torchvenv/bin/python), eager attention,
+  the torch venv ($K31JAX_TORCH_PYTHON or ./.torchvenv/bin/python, made by scripts/make_torch_venv.sh), eager attention,
   experts (`--torch-experts`, default grouped_mm, its fastest CPU path here): one
   `generate(max_new_tokens=N)` per repeat; TTFT = until the streamer receives the
   first new token, decode tok/s = batch * (N - 1) / (total - TTFT).
@@ -120,7 +120,7 @@ def bench_k31jax(batch, context, new_tokens, repeats, chunk):
 
 
 def bench_torch(batch, context, new_tokens, repeats, threads, experts_impl, timeout):
-    py = os.environ.get("K31JAX_TORCH_PYTHON", "/work/torchvenv/bin/python")
+    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
     if not Path(py).exists():
         return None, f"no torch venv at {py}"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 from k31jax.kernels import mxfp4_matmul, sparse_mla  # noqa: E402
 from k31jax.kernels import kda_chunk  # noqa: E402
 from k31jax.ops import _indexer, _kda, _mla, _moe  # noqa: E402
-from k31jax.ops._moe import MXFP4Weight  # noqa: E402
+from k31jax.quant import MXFP4Weight  # noqa: E402
 
 COPY_BW = 4.3e12  # B/s, H200 device copy (read + write), measured here (H200.md, KINDS.md)
 BF16_RATE = 790e12  # FLOP/s, dense bf16 matmul on random data, measured here

@@ -1,7 +1,7 @@
 """Sharding micro-benchmarks on 8 fake CPU devices (same run, ratios are what to read).
 
 1. One LatentMoE layer (the model's own code) on an `expert=8` mesh: the expert-parallel
-   shard_map (tokens exchanged with a dense all_to_all, local ragged_dot) vs `ep="off"`,
+   shard_map (tokens exchanged with a dense all_to_all, local ragged_dot) vs `Backends(ep="off")`,
    which leaves the expert-sharded weights to the SPMD partitioner (the naive path: it
    all-gathers the experts to every device). Median step time after a warm-up.
 2. Compile time of a 93-layer-deep narrow model (the K3 layer schedule, tiny widths) on an
@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k31jax import ModelConfig, sharding  # noqa: E402
+from k31jax import Backends, ModelConfig, distributed, sharding  # noqa: E402
 from k31jax.nn import LatentMoE  # noqa: E402
 
 
@@ -50,16 +50,16 @@ def bench_moe(tokens: int, experts: int, repeats: int) -> dict:
     cfg = ModelConfig.preset("tiny", dtype="float32", hidden_size=256, num_experts=experts,
                              num_experts_per_token=4, moe_intermediate_size=256, routed_expert_hidden_size=128)
     mesh = sharding.make_mesh(expert=8)
-    moe = sharding.shard_model(LatentMoE(cfg, rngs=nnx.Rngs(0)), mesh)
+    moe = distributed.shard_model(LatentMoE(cfg, rngs=nnx.Rngs(0)), mesh)
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((8, tokens // 8, cfg.hidden_size)),
                                    jnp.float32), jax.NamedSharding(mesh, jax.P("expert")))
     out = {}
     with sharding.activate(mesh):
         for name, ep in (("ep_shard_map", "dense"), ("naive_allgather", "off")):
-            f = nnx.jit(lambda m, x, ep=ep: m(x, ep=ep)[0])
+            f = nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep))[0])
             out[name] = _median_time(lambda: f(moe, x), repeats)
-        a = nnx.jit(lambda m, x: m(x, ep="dense")[0])(moe, x)
-        b = nnx.jit(lambda m, x: m(x, ep="off")[0])(moe, x)
+        a = nnx.jit(lambda m, x: m(x, backends=Backends(ep="dense"))[0])(moe, x)
+        b = nnx.jit(lambda m, x: m(x, backends=Backends(ep="off"))[0])(moe, x)
     out["max_rel_diff"] = float(jnp.abs(a - b).max() / jnp.abs(b).max())
     out["config"] = (f"{tokens} tokens, {experts} experts top-4, latent {cfg.expert_in_dim}, "
                      f"expert width {cfg.moe_intermediate_size}, hidden {cfg.hidden_size}, f32")
@@ -71,7 +71,7 @@ def bench_compile() -> dict:
     cfg = ModelConfig.preset("tiny", dtype="float32", num_hidden_layers=k3.num_hidden_layers,
                              layer_types=k3.layer_types, attn_res_block_size=k3.attn_res_block_size)
     mesh = sharding.make_mesh(expert=4, tensor=2)
-    graphdef, state = sharding.abstract_state(cfg, mesh)
+    graphdef, state = distributed.abstract_state(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32, sharding=jax.NamedSharding(mesh, jax.P()))
     out = {"layers": cfg.num_hidden_layers, "kda": len(cfg.kda_layers), "mla": len(cfg.mla_layers)}
     with sharding.activate(mesh):

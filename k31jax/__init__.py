@@ -1,18 +1,26 @@
 """k31jax: Moonshot's Kimi K3.1 Pro (and K3, Kimi Linear) in JAX / Flax NNX.
 
-The curated public API. Pure ops live in `k31jax.ops`, NNX modules in `k31jax.nn`, MX
-formats in `k31jax.quant`, the tokenizer and chat format in `k31jax.chat`.
+The curated public API: what a researcher types. The layers underneath, bottom to top:
+`config` -> `quant`, `chat` -> `sharding` (rules, meshes, constraints) -> `kernels` -> `ops`
+(pure functions, the kernel seam, `Backends`) -> `nn` (modules, cache, counts) -> `ckpt`
+(formats, loading) -> `distributed` (placement on meshes, planner, multi-process) ->
+`conversion` -> `generate` -> `train` -> `cli`; each imports only from below.
 """
 
-from .cache import Cache, init_cache
+from . import distributed, sharding
 from .ckpt import load_checkpoint, load_hf_weights
-from .config import ConfigError, K3Config, ModelConfig, preset_names
-from .nn import K31ForCausalLM, dequantize_experts, quantize_experts
-from ._sizes import ParamCount, abstract_model, count_params
+from .config import ConfigError, ModelConfig, preset_names
+from .conversion import convert, export
+from .distributed import init_sharded, load_sharded, plan_memory
+from .generate import ChatSession, Engine, SamplingParams, load_model
+from .nn import Cache, K31ForCausalLM, ParamCount, abstract_model, count_params, dequantize_experts, quantize_experts
+from .ops import Backends
+from .sharding import activate, make_mesh
 
 __all__ = [
-    "Cache", "ConfigError", "K31ForCausalLM", "K3Config", "ModelConfig", "ParamCount",
-    "abstract_model", "count_params", "dequantize_experts", "init_cache", "load_checkpoint", "load_hf_weights",
-    "preset_names", "quantize_experts",
+    "Backends", "Cache", "ChatSession", "ConfigError", "Engine", "K31ForCausalLM", "ModelConfig", "ParamCount",
+    "SamplingParams", "abstract_model", "activate", "convert", "count_params", "dequantize_experts", "distributed",
+    "export", "init_sharded", "load_checkpoint", "load_hf_weights", "load_model", "load_sharded", "make_mesh",
+    "plan_memory", "preset_names", "quantize_experts", "sharding",
 ]
 __version__ = "0.1.0"

@@ -24,6 +24,38 @@ _LINEAR_ATTN_KEYS = frozenset(
     {"full_attn_layers", "kda_layers", "head_dim", "num_heads", "short_conv_kernel_size",
      "gate_lower_bound", "use_full_rank_gate", "head_k_dim", "head_v_dim"}
 )
+# Keys of a release / transformers config.json that carry nothing for this model: transformers'
+# generic PretrainedConfig fields (generation defaults, bookkeeping) and training-only knobs.
+# Any other key that `from_hf` does not read or check is an error (`allow_unknown=True` skips it).
+IGNORED_HF_KEYS = frozenset({
+    "_name_or_path", "add_cross_attention", "architectures", "auto_map", "bad_words_ids",
+    "begin_suppress_tokens", "chunk_size_feed_forward", "cross_attention_hidden_size",
+    "decoder_start_token_id", "diversity_penalty", "do_sample", "early_stopping",
+    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task",
+    "forced_bos_token_id", "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder",
+    "label2id", "length_penalty", "max_length", "min_length", "model_type", "no_repeat_ngram_size",
+    "num_beam_groups", "num_beams", "num_return_sequences", "output_attentions", "output_hidden_states",
+    "output_scores", "prefix", "problem_type", "pruned_heads", "remove_invalid_values", "repetition_penalty",
+    "return_dict", "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params",
+    "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class", "top_k", "top_p", "torchscript",
+    "transformers_version", "typical_p", "use_bfloat16", "use_cache", "attention_dropout",
+    "output_router_logits", "pretraining_tp", "model_max_length", "ignore_index", "image_placeholder",
+    "media_placeholder_token_id", "vision_config",
+})
+# Keys the text model reads (or checks for consistency) in `_fields_from_hf`.
+_READ_HF_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "hidden_act", "activation_situ_beta",
+    "activation_situ_linear_beta", "intermediate_size", "first_k_dense_replace", "moe_layer_freq",
+    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "qk_head_dim", "head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
+    "attention_bias", "linear_attn_config", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+    "layer_types", "mlp_layer_types", "index_topk", "index_n_heads", "index_head_dim", "num_experts",
+    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+    "latent_moe_use_norm", "moe_renormalize", "moe_router_activation_func", "routed_scaling_factor",
+    "num_expert_group", "topk_group", "use_grouped_topk", "topk_method", "attn_res_block_size",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+    "initializer_range", "dtype", "quantization_config", "num_nextn_predict_layers", "text_config",
+})
 _LAYER_TYPE_ALIASES = {"kda": "kda", "linear_attention": "kda", "mla": "mla",
                        "full_attention": "mla"}
 
@@ -224,8 +256,12 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_hf(cls, source: str | os.PathLike | dict, **overrides: Any) -> "ModelConfig":
-        """Build from a release/HF `config.json` (a path to the file or its folder, or a dict)."""
+    def from_hf(cls, source: str | os.PathLike | dict, *, allow_unknown: bool = False,
+                **overrides: Any) -> "ModelConfig":
+        """Build from a release/HF `config.json` (a path to the file or its folder, or a dict):
+        the release's multimodal wrapper (`text_config`) or a flat transformers `kimi_linear`
+        config. A key that is neither read, checked, nor in `IGNORED_HF_KEYS` (transformers'
+        generic fields) is an error naming it, unless `allow_unknown=True`."""
         where = "<dict>"
         if not isinstance(source, dict):
             path = Path(source)
@@ -239,6 +275,8 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e})") from None
         try:
+            if not allow_unknown:
+                _check_known_keys(source)
             fields = _fields_from_hf(source)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
@@ -258,7 +296,6 @@ class ModelConfig:
         return cls.from_hf(path, **overrides)
 
 
-K3Config = ModelConfig  # the spec's name for the same class
 
 
 def preset_dir() -> Path:
@@ -268,6 +305,58 @@ def preset_dir() -> Path:
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in preset_dir().glob("*.json"))
+
+
+def _check_known_keys(raw: dict) -> None:
+    text = raw.get("text_config", raw)
+    # index_* / indexer_* keys get the indexer's own, more specific check in `_fields_from_hf`
+    unknown = sorted(k for k in text if k not in _READ_HF_KEYS and k not in IGNORED_HF_KEYS
+                     and not k.startswith(("index_", "indexer_")))
+    if isinstance(raw.get("text_config"), dict):
+        unknown += sorted(f"(top level) {k}" for k in raw if k not in _READ_HF_KEYS and k not in IGNORED_HF_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}: not part of this architecture (k31jax has no RoPE, "
+                          "sliding window or GQA); pass allow_unknown=True to ignore them")
+
+
+def _check_consistent(text: dict, fields: dict) -> None:
+    """Keys that restate what other keys define must agree (MLA has one kv head per query head)."""
+    heads = fields["num_attention_heads"]
+    if text.get("num_key_value_heads") not in (None, heads):
+        raise ConfigError(f"num_key_value_heads={text['num_key_value_heads']}: MLA has no grouped kv heads, "
+                          f"expected num_attention_heads={heads}")
+    qk = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+    if text.get("qk_head_dim") not in (None, qk):
+        raise ConfigError(f"qk_head_dim={text['qk_head_dim']}: expected qk_nope_head_dim + qk_rope_head_dim = {qk}")
+    # transformers' kimi_linear stores the (here unrotated) k_pe width as head_dim
+    if text.get("head_dim") not in (None, fields["qk_rope_head_dim"]):
+        raise ConfigError(f"head_dim={text['head_dim']}: expected qk_rope_head_dim = {fields['qk_rope_head_dim']}")
+    lac = text.get("linear_attn_config") or {}
+    for flat, nested, value in (("linear_num_heads", "num_heads", fields["kda_num_heads"]),
+                                ("linear_head_dim", "head_dim", fields["kda_head_dim"]),
+                                ("linear_conv_kernel_dim", "short_conv_kernel_size", fields["kda_conv_size"])):
+        if text.get(flat) not in (None, value):
+            raise ConfigError(f"{flat}={text[flat]} disagrees with linear_attn_config.{nested}={value}")
+    if "layer_types" in text and lac:
+        named = tuple(_LAYER_TYPE_ALIASES.get(n, n) for n in text["layer_types"])
+        if named != fields["layer_types"]:
+            raise ConfigError(f"layer_types {list(text['layer_types'])} disagrees with linear_attn_config's "
+                              "full_attn_layers / kda_layers")
+    if text.get("attention_bias"):
+        raise ConfigError("attention_bias=true: Kimi projections have no biases")
+    if text.get("use_grouped_topk") is False and fields["num_expert_group"] > 1:
+        raise ConfigError("use_grouped_topk=false with num_expert_group > 1")
+    if text.get("topk_method") not in (None, "noaux_tc"):
+        raise ConfigError(f"topk_method={text['topk_method']!r}: k31jax routes with 'noaux_tc' (sigmoid scores, "
+                          "selection-only bias)")
+    mlp = text.get("mlp_layer_types")
+    if mlp is not None:
+        want = ["sparse" if fields["num_experts"] and i >= fields["first_k_dense_replace"]
+                and (i - fields["first_k_dense_replace"]) % fields["moe_layer_freq"] == 0 else "dense"
+                for i in range(fields["num_hidden_layers"])]
+        if list(mlp) != want:
+            raise ConfigError(f"mlp_layer_types {list(mlp)} disagrees with first_k_dense_replace / moe_layer_freq "
+                              f"({want})")
 
 
 def _fields_from_hf(raw: dict) -> dict[str, Any]:
@@ -298,8 +387,9 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         raise ConfigError(f"linear_attn_config has unknown keys {unknown_lac}")
     layer_types = _layer_types(text, lac, num_layers)
 
+    # transformers' re-saved Kimi Linear configs also spell these flat (linear_*)
     kda_heads = int(lac.get("num_heads", text.get("linear_num_heads", 0)) or 0)
-    kda_head_dim = int(lac.get("head_dim", lac.get("head_k_dim", 0)) or 0)
+    kda_head_dim = int(lac.get("head_dim", lac.get("head_k_dim", text.get("linear_head_dim", 0))) or 0)
     lower_bound = lac.get("gate_lower_bound")
     # The K3 release pads A_log to head_dim; Kimi Linear stores one value per head.
     a_log_len = kda_head_dim if lower_bound is not None else kda_heads
@@ -328,7 +418,7 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
         kda_num_heads=kda_heads,
         kda_head_dim=kda_head_dim,
-        kda_conv_size=int(lac.get("short_conv_kernel_size", 4)),
+        kda_conv_size=int(lac.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))),
         kda_gate_lower_bound=None if lower_bound is None else float(lower_bound),
         kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
         kda_a_log_len=a_log_len,
@@ -362,6 +452,7 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         raise ConfigError("tie_word_embeddings=true: every Kimi checkpoint has an untied lm_head")
     if act == "silu":
         fields["activation_situ_linear_beta"] = None
+    _check_consistent(text, fields)
     return fields
 
 

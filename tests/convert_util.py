@@ -12,7 +12,8 @@ import numpy as np
 from flax import nnx
 
 from conftest import tiny_config
-from convert.make_release_fixture import bf16_exact, hf_config_dict, write_release
+from k31jax.ckpt._release_layout import hf_config_dict
+from k31jax.conversion._synthetic import bf16_exact, write_synthetic_release
 from k31jax.ckpt import SafetensorsIndex, ShardWriter, TensorReader, read_header
 
 # A small MoonViT-like vision config (only shapes matter to the converter).
@@ -67,11 +68,11 @@ def write_model_release(out: Path, model, params, *, vision: bool = True, num_sh
     rng = np.random.default_rng(7)
     vision_params = None
     if vision:
-        from convert.make_release_fixture import vision_tensors
+        from k31jax.ckpt._release_layout import vision_tensors
 
         vision_params = {n: rng.standard_normal(s).astype(np.float32) for n, _, s in
                          vision_tensors(VISION, model.config.hidden_size)}
-    return write_release(out, model.config, params=params, num_shards=num_shards,
+    return write_synthetic_release(out, model.config, params=params, num_shards=num_shards,
                          vision_config=VISION if vision else None, vision_params=vision_params)
 
 

@@ -5,8 +5,9 @@ import copy
 import pytest
 
 from k31jax.chat import (ByteTokenizer, ChatTemplateError, MissingReasoningError, Segment,
-                         apply_chat_template, render_k2, render_k3, render_k3_text,
-                         resolve_reasoning_effort, segments_to_text)
+                         apply_chat_template, render_k2, render_k3, render_k3_text)
+from k31jax.chat._render import resolve_reasoning_effort
+from k31jax.chat._tokenizer import segments_to_text
 
 GEN_THINK = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 GEN_RESPONSE = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
@@ -303,23 +304,79 @@ def test_response_format_messages():
     assert both.index('type="tool-choice"') < both.index('type="response-format"')
 
 
-def test_missing_reasoning_content_is_a_clear_error():
+EMPTY_THINK = "<|open|>think<|sep|><|close|>think<|sep|>"  # §2.3: empty reasoning, tags kept
+
+
+def test_missing_reasoning_renders_an_empty_think_block_like_the_release():
+    msgs = weather_conversation()
+    del msgs[1]["reasoning_content"]  # an OpenAI-style client dropped it
+    # exactly example C with the reasoning text removed
+    assert render_k3_text(msgs, WEATHER_TOOLS) == EXAMPLE_C.replace("I should call the tool.", "")
+    assert EXAMPLE_C.replace("I should call the tool.", "").count(EMPTY_THINK) == 1
+    tok = ByteTokenizer()
+    assert apply_chat_template(tok, msgs, WEATHER_TOOLS, thinking_effort=None) == (
+        tok.encode_segments(render_k3(msgs, WEATHER_TOOLS)))
+    # empty or whitespace reasoning renders the same empty block
+    for blank in ("", "  \n"):
+        msgs[1]["reasoning_content"] = blank
+        assert render_k3_text(msgs, WEATHER_TOOLS) == EXAMPLE_C.replace("I should call the tool.", "")
+    # a plain (no tool call) assistant turn without reasoning renders empty think tags too
+    assert render_k3_text([{"role": "assistant", "content": "a"}], add_generation_prompt=False) == (
+        '<|open|>message role="assistant"<|sep|>' + EMPTY_THINK
+        + "<|open|>response<|sep|>a<|close|>response<|sep|>" + END)
+
+
+def test_strict_reasoning_option_is_a_clear_error():
     msgs = weather_conversation()
     del msgs[1]["reasoning_content"]
     msgs = [user("hello"), {"role": "assistant", "content": "hi", "reasoning_content": "x"}] + msgs
     with pytest.raises(MissingReasoningError) as e:
-        render_k3(msgs, WEATHER_TOOLS)
+        render_k3(msgs, WEATHER_TOOLS, require_reasoning=True)
     msg = str(e.value)
     assert "messages[3]" in msg and "tool_calls" in msg and "reasoning_content" in msg
-    # not an error with thinking off (no think channel at all), nor when explicitly waived
-    text = render_k3_text(msgs, WEATHER_TOOLS, thinking=False)
+    with pytest.raises(MissingReasoningError, match=r"messages\[3\]"):
+        apply_chat_template(ByteTokenizer(), msgs, WEATHER_TOOLS, require_reasoning=True)
+    # strict mode accepts "" (present but empty), a turn without calls, and thinking off
+    msgs[3]["reasoning_content"] = ""
+    assert EMPTY_THINK + "<|open|>response<|sep|><|close|>response<|sep|><|open|>tools" in (
+        render_k3_text(msgs, WEATHER_TOOLS, require_reasoning=True))
+    del msgs[3]["reasoning_content"]
+    del msgs[1]["reasoning_content"]
+    text = render_k3_text(msgs, WEATHER_TOOLS, thinking=False, require_reasoning=True)
     assert "<|open|>think<|sep|>" not in text
-    assert "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|><|close|>response" in (
-        render_k3_text(msgs, WEATHER_TOOLS, require_reasoning=False))
-    # a plain (no tool call) assistant turn without reasoning renders empty think tags
-    assert render_k3_text([{"role": "assistant", "content": "a"}], add_generation_prompt=False) == (
-        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
-        "<|open|>response<|sep|>a<|close|>response<|sep|>" + END)
+    assert render_k3_text(msgs[:2], require_reasoning=True).count(EMPTY_THINK) == 1
+
+
+def test_multi_turn_history_with_an_earlier_tool_turn_lacking_reasoning():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    msgs = [
+        user("Weather in Oslo?"),
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call]},  # reasoning dropped
+        {"role": "tool", "tool_call_id": "c1", "content": "-3"},
+        {"role": "assistant", "content": "It is -3.", "reasoning_content": "Cold."},
+        user("And tomorrow?"),
+        {"role": "assistant", "content": "", "reasoning_content": "Call again.",
+         "tool_calls": [{**call, "id": "c2"}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "-5"},
+    ]
+    calls = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+             '<|open|>argument key="city" type="string"<|sep|>Oslo<|close|>argument<|sep|>'
+             "<|close|>call<|sep|><|close|>tools<|sep|>")
+    assert render_k3_text(msgs, thinking_effort="high") == (
+        '<|open|>message role="system" type="thinking-effort"<|sep|>' + EFFORT_TEXT.format("high") + END
+        + '<|open|>message role="user"<|sep|>Weather in Oslo?' + END
+        + '<|open|>message role="assistant"<|sep|>' + EMPTY_THINK
+        + "<|open|>response<|sep|>Checking.<|close|>response<|sep|>" + calls + END
+        + '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>-3' + END
+        + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Cold.<|close|>think<|sep|>'
+        "<|open|>response<|sep|>It is -3.<|close|>response<|sep|>" + END
+        + '<|open|>message role="user"<|sep|>And tomorrow?' + END
+        + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Call again.<|close|>think<|sep|>'
+        "<|open|>response<|sep|><|close|>response<|sep|>" + calls + END
+        + '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>-5' + END + GEN_THINK
+    )
+    with pytest.raises(MissingReasoningError, match=r"messages\[1\]"):
+        render_k3(msgs, require_reasoning=True)
 
 
 def two_call_turn():
@@ -460,3 +517,16 @@ def test_k2_user_text_never_becomes_control_tokens():
     assert ids.count(tok.special_id("<|im_end|>")) == 2  # default system + the user turn
     assert tok.special_id("<think>") not in ids
     assert tok.decode(ids) == segments_to_text(segs)
+
+
+def test_k2_missing_reasoning_renders_empty_think_unless_strict():
+    msgs = [user("q"), {"role": "assistant", "content": "",
+                        "tool_calls": [{"id": "functions.f:0", "function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": "functions.f:0", "content": "r"}]
+    text = segments_to_text(render_k2(msgs, thinking=True, default_system=None))
+    assert ("<|im_assistant|>assistant<|im_middle|><think></think><|tool_calls_section_begin|>"
+            "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>") in text
+    with pytest.raises(MissingReasoningError, match=r"messages\[1\]"):
+        render_k2(msgs, thinking=True, require_reasoning=True)
+    msgs[1]["reasoning_content"] = "why"
+    assert "<think>why</think>" in segments_to_text(render_k2(msgs, thinking=True, require_reasoning=True))

@@ -88,3 +88,42 @@ def test_direct_construction_is_validated():
         cfg.replace(q_lora_rank=None)
     with pytest.raises(ConfigError, match="kda_a_log_len"):
         cfg.replace(kda_a_log_len=2)
+
+
+@pytest.mark.parametrize("key,value", [("rope_theta", 10000.0), ("sliding_window", 4096), ("use_sliding_window", True),
+                                       ("rope_scaling", {"type": "yarn"})])
+def test_unknown_keys_are_rejected_by_name(key, value):
+    raw = _broken(lambda t: t.update({key: value}))
+    with pytest.raises(ConfigError, match=f"unknown config keys \\['{key}'\\]"):
+        ModelConfig.from_hf(raw)
+    assert ModelConfig.from_hf(raw, allow_unknown=True) == ModelConfig.from_hf(RELEASE)
+
+
+def test_generic_transformers_keys_are_ignored():
+    raw = _broken(lambda t: t.update(use_cache=True, transformers_version="5.0", torchscript=False, top_p=0.9))
+    assert ModelConfig.from_hf(raw) == ModelConfig.from_hf(RELEASE)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda t: t.update(num_key_value_heads=1), "num_key_value_heads=1"),
+    (lambda t: t.update(qk_head_dim=7), "qk_head_dim=7"),
+    (lambda t: t.update(attention_bias=True), "attention_bias"),
+    (lambda t: t.update(topk_method="greedy"), "topk_method"),
+    (lambda t: t.update(linear_head_dim=3), "linear_head_dim=3"),
+    (lambda t: t.update(mlp_layer_types=["dense"] * t["num_hidden_layers"]), "mlp_layer_types"),
+])
+def test_restated_keys_must_agree(mutate, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(_broken(mutate))
+
+
+def test_transformers_flat_kimi_linear_layout():
+    """transformers re-saves Kimi Linear with flat `linear_*` keys and `layer_types`; without
+    `linear_attn_config` those alone give the same config."""
+    path = Path(__file__).parent / "golden" / "kimi_linear_tiny" / "config.json"
+    raw = json.loads(path.read_text())
+    nested = ModelConfig.from_hf(raw)
+    flat = dict(raw)
+    del flat["linear_attn_config"]
+    assert ModelConfig.from_hf(flat) == nested
+    assert (nested.kda_head_dim, nested.kda_num_heads, nested.kda_conv_size) == (16, 4, 4)

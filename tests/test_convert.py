@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert import convert, export
-from convert._convert import _verify
+from k31jax import convert, export
+from k31jax.conversion._convert import _verify
 from convert_util import release_ready_model, tensors_of, write_model_release
 from k31jax import dequantize_experts, load_hf_weights
 from k31jax.ckpt import (CheckpointError, SafetensorsIndex, TensorReader, checkpoint_info, load_checkpoint,

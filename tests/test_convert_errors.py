@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from convert import convert
-from convert.make_release_fixture import write_release
+from k31jax import convert
+from k31jax.conversion._synthetic import write_synthetic_release
 from convert_util import copy_release, edit_config, edit_header, leftovers, rewrite, shard_of, tensors_of
 from k31jax.ckpt import CheckpointError, SafetensorsError, checkpoint_info
 from k31jax.ckpt._orbax import load_stored
@@ -26,7 +26,7 @@ Q = L + "2.self_attn.q_proj.weight"
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     cfg = tiny_config(expert_weights="mxfp4", dtype="bfloat16")
-    return write_release(tmp_path_factory.mktemp("base") / "release", cfg, seed=1, num_shards=3)
+    return write_synthetic_release(tmp_path_factory.mktemp("base") / "release", cfg, seed=1, num_shards=3)
 
 
 @pytest.fixture

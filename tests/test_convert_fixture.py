@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import kimi_linear_tiny_config, tiny_config
-from convert.make_release_fixture import hf_config_dict, release_layout, write_release
+from k31jax.ckpt._release_layout import hf_config_dict, release_layout
+from k31jax.conversion._synthetic import write_synthetic_release
 from k31jax import ModelConfig
 from k31jax.ckpt import read_header
 
@@ -48,7 +49,7 @@ def test_layout_names_and_placement():
 def test_dry_run_on_full_size_k3_release_layout(tmp_path):
     raw = json.loads(K3_CONFIG.read_text())
     cfg = ModelConfig.from_hf(raw)
-    src = write_release(tmp_path / "kimi-k3", cfg, vision_config=raw["vision_config"], sparse=True,
+    src = write_synthetic_release(tmp_path / "kimi-k3", cfg, vision_config=raw["vision_config"], sparse=True,
                         placement="release", config_json=raw)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     shards = sorted(src.glob("*.safetensors"))
@@ -77,7 +78,7 @@ def test_dry_run_on_full_size_k3_release_layout(tmp_path):
     code = textwrap.dedent(f"""
         import io, json, resource, sys, time
         t = time.perf_counter()
-        from convert import convert
+        from k31jax import convert
         buf = io.StringIO()
         convert({str(src)!r}, dry_run=True, out=buf)
         print(json.dumps(dict(seconds=time.perf_counter() - t,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from convert import convert
-from convert.make_release_fixture import write_release
+from k31jax import convert
+from k31jax.conversion._synthetic import write_synthetic_release
 from convert_util import copy_release, edit_config, rewrite, tensors_of
 from k31jax.ckpt import CheckpointError, checkpoint_config, checkpoint_info, load_checkpoint
 from k31jax.ckpt._orbax import load_stored
@@ -23,7 +23,7 @@ L = "language_model.model.layers."
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     cfg = tiny_config(expert_weights="mxfp4", dtype="bfloat16")
-    return write_release(tmp_path_factory.mktemp("base") / "release", cfg, seed=2, num_shards=2)
+    return write_synthetic_release(tmp_path_factory.mktemp("base") / "release", cfg, seed=2, num_shards=2)
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_kimi_linear_config_without_attn_res(tmp_path):
     from conftest import kimi_linear_tiny_config
 
     cfg = kimi_linear_tiny_config(dtype="bfloat16")
-    src = write_release(tmp_path / "kl", cfg, seed=4, num_shards=2)
+    src = write_synthetic_release(tmp_path / "kl", cfg, seed=4, num_shards=2)
     t = tensors_of(src)
     assert "model.layers.0.self_attn.A_log" in t and t["model.layers.0.self_attn.A_log"].shape == (1, 1, 4, 1)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in t and "lm_head.weight" in t

@@ -9,20 +9,21 @@ import textwrap
 
 import pytest
 
-from convert.make_release_fixture import _nbytes, release_layout, synthetic_config, write_release
+from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
+from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
 
 
 @pytest.mark.slow
 def test_convert_peak_rss_is_bounded(tmp_path):
     cfg = synthetic_config(layers=24, experts=128)
     layout = release_layout(cfg, placement="release")
-    largest = max(sum(_nbytes(t) for t in ts) for _, ts in layout)
-    src = write_release(tmp_path / "src", cfg, placement="release")
+    largest = max(sum(tensor_nbytes(t) for t in ts) for _, ts in layout)
+    src = write_synthetic_release(tmp_path / "src", cfg, placement="release")
     total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert total >= 3e9
     code = textwrap.dedent("""
         import json, resource, sys
-        from convert import convert
+        from k31jax import convert
         r = convert(sys.argv[1], sys.argv[2], verify=False, progress=False)
         print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                           "bytes": r.source_bytes, "seconds": r.seconds}))

@@ -1,8 +1,8 @@
-"""The ops' one kernel seam (`k31jax.ops._impl`): how `impl` resolves (backend, mesh,
-`K31JAX_KERNELS`), that the kernels differentiate exactly like the XLA paths they replace,
-and that a whole model run with `kernels="interpret"` (every hot path on its Pallas kernel:
+"""The ops' one kernel seam (`k31jax.ops._impl`): how `impl` resolves (backend, mesh), the
+`Backends` object and its `K31JAX_KERNELS` default, that the kernels differentiate exactly
+like the XLA paths they replace, and that a whole model run with `Backends(kernels="interpret")` (every hot path on its Pallas kernel:
 KDA chunk + decode step, sparse MLA, indexer top-k, MXFP4 grouped matmul) gives the logits
-and caches of `kernels="xla"`, in prefill and in decode."""
+and caches of `Backends(kernels="xla")`, in prefill and in decode."""
 
 import functools
 
@@ -14,7 +14,7 @@ from conftest import rel_err, tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from k31jax import K31ForCausalLM
+from k31jax import Backends, K31ForCausalLM
 from k31jax.ops import _impl, _kda, _mla, _moe
 from k31jax.quant import mxfp4_quantize_packed
 
@@ -52,16 +52,20 @@ def test_auto_on_gpu_outside_and_inside_a_mesh(on_gpu, monkeypatch):
     assert seen == {"partitioned": "xla", "shard_map": "pallas"}
 
 
-def test_environment_override(on_gpu, monkeypatch):
+def test_backends_default_from_the_environment(on_gpu, monkeypatch):
+    """`K31JAX_KERNELS` is only the default of `Backends.kernels`; `resolve_impl` never reads it."""
+    monkeypatch.delenv("K31JAX_KERNELS", raising=False)
+    assert Backends() == Backends(kernels="auto", moe="auto", sparse="auto", ep="auto")
     monkeypatch.setenv("K31JAX_KERNELS", "xla")
-    assert _impl.resolve_impl(None) == "xla"
-    assert _impl.resolve_impl("interpret") == "interpret"  # an explicit argument wins
-    monkeypatch.setenv("K31JAX_KERNELS", "interpret")
-    assert _impl.resolve_impl("auto") == "interpret"
-    assert _impl.resolve_impl("auto", supported=False) == "xla"
+    assert Backends().kernels == "xla" and Backends(kernels="interpret").kernels == "interpret"
+    assert _impl.resolve_impl(Backends().kernels) == "xla"
+    assert _impl.resolve_impl(None) == "pallas"  # the seam itself ignores the variable
     monkeypatch.setenv("K31JAX_KERNELS", "cuda")
     with pytest.raises(ValueError, match="K31JAX_KERNELS='cuda'"):
-        _impl.resolve_impl(None)
+        Backends()
+    for field, value in (("kernels", "cuda"), ("moe", "pallas"), ("sparse", "dense"), ("ep", "mpi")):
+        with pytest.raises(ValueError, match=f"Backends.{field}={value!r}"):
+            Backends(**{"kernels": "xla", field: value})
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -135,7 +139,6 @@ def test_model_on_the_kernels_equals_xla(monkeypatch):
                 calls[_n, kw.get("impl")] = calls.get((_n, kw.get("impl")), 0) + 1
                 return _f(*a, **kw)
             monkeypatch.setattr(mod, name, counted)
-    sparse_impl = "gather"  # the selected-rows attention (the kernel's op) in prefill too
     cfg = tiny_config(expert_weights="mxfp4")
     model = K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
@@ -143,10 +146,11 @@ def test_model_on_the_kernels_equals_xla(monkeypatch):
     @functools.partial(nnx.jit, static_argnames="kernels")
     def run(model, tokens, kernels):
         cache = model.init_cache(2, 32)
-        logits, cache = model(tokens[:, :21], cache, sparse_impl=sparse_impl, kernels=kernels)
+        backends = Backends(kernels=kernels, sparse="gather")  # the kernel's attention form in prefill too
+        logits, cache = model(tokens[:, :21], cache, backends=backends)
         steps = [logits[:, -1]]
         for i in range(21, 24):
-            step, cache = model(tokens[:, i:i + 1], cache, sparse_impl=sparse_impl, kernels=kernels)
+            step, cache = model(tokens[:, i:i + 1], cache, backends=backends)
             steps.append(step[:, -1])
         return jnp.stack(steps, 1), cache
 

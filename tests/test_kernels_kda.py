@@ -106,7 +106,7 @@ def test_decode_step_bf16_inputs_no_state():
 
 
 def test_auto_impl_is_xla_on_cpu():
-    from k31jax.kernels import resolve_impl
+    from k31jax.ops import resolve_impl
 
     assert resolve_impl(None) == ("pallas" if jax.default_backend() == "gpu" else "xla")
     with pytest.raises(ValueError):

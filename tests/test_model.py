@@ -9,6 +9,11 @@ from flax import nnx
 
 from conftest import kimi_linear_tiny_config, tiny_config
 
+from k31jax import Backends
+from k31jax.nn import MLAMixer
+
+GATHER = Backends(sparse="gather")  # the selected-rows attention in prefill too
+
 forward = nnx.jit(lambda m, t, c: m(t, c), )
 
 
@@ -54,16 +59,11 @@ def test_indexer_is_active_in_tiny(make_model):
 def test_indexer_prefill_streams_key_blocks(make_model, monkeypatch):
     """Prefill scores the indexer keys in blocks (running top-k) once the context exceeds
     `MLAMixer.index_key_block`: same selections, so the same logits, as scoring them at once;
-    cached prefill in two chunks too. The memory planner assumes the same block."""
-    from k31jax.nn._mla_layer import MLAMixer
-    from k31jax.sharding import _plan
-
-    assert (_plan._INDEX_KEY_BLOCK, _plan._MASK_PATH_MAX) == (MLAMixer.index_key_block,
-                                                             MLAMixer.mask_path_max_elements)
+    cached prefill in two chunks too."""
     cfg = tiny_config()
     model = make_model(cfg)
     tokens = _tokens(2, 37, cfg.vocab_size, seed=5)
-    run = nnx.jit(lambda m, t, c: m(t, c, sparse_impl="gather"))
+    run = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))
     whole, _ = run(model, tokens, None)
     cache = model.init_cache(2, 40)
     first, cache = run(model, tokens[:, :20], cache)
@@ -79,10 +79,10 @@ def test_indexer_prefill_streams_key_blocks(make_model, monkeypatch):
 
     monkeypatch.setattr(_mla_layer._indexer, "select_topk", spy)
     monkeypatch.setattr(MLAMixer, "index_key_block", 6)  # 37 keys: 7 blocks, the last one short
-    blocked, _ = nnx.jit(lambda m, t, c: m(t, c, sparse_impl="gather"))(model, tokens, None)
+    blocked, _ = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens, None)
     cache = model.init_cache(2, 40)
-    first_b, cache = nnx.jit(lambda m, t, c: m(t, c, sparse_impl="gather"))(model, tokens[:, :20], cache)
-    rest_b, _ = nnx.jit(lambda m, t, c: m(t, c, sparse_impl="gather"))(model, tokens[:, 20:], cache)
+    first_b, cache = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, :20], cache)
+    rest_b, _ = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, 20:], cache)
     assert set(blocks) == {6}  # every prefill call streamed (traced once per jit)
     np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate([first_b, rest_b], 1), jnp.concatenate([first, rest], 1),

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from k31jax import K31ForCausalLM, count_params, dequantize_experts, quantize_experts
+from k31jax import Backends, K31ForCausalLM, count_params, dequantize_experts, quantize_experts
 from k31jax.quant import fake_quant, mx_fake_quant_activations, mxfp4_dequantize_packed
 
 forward = nnx.jit(lambda m, t: m(t, None)[0])
@@ -38,7 +38,7 @@ def test_packed_model_equals_dequantized_model(dtype):
     assert plain.moe.w_gate[...].dtype == jnp.dtype(dtype)
     tokens = _tokens()
     for impl in ("ragged", "gather"):
-        run = nnx.jit(lambda m, t: m(t, None, moe_impl=impl)[0])
+        run = nnx.jit(lambda m, t, impl=impl: m(t, None, backends=Backends(moe=impl))[0])
         np.testing.assert_array_equal(run(packed, tokens), run(plain, tokens))
     # decode path (gather over few tokens) as well
     cache_a, cache_b = packed.init_cache(2, 32), plain.init_cache(2, 32)

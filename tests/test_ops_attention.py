@@ -18,7 +18,7 @@ from flax import nnx
 
 from k31jax.config import ModelConfig
 from k31jax.nn import MLAMixer
-from k31jax.ops import _indexer, _mla
+from k31jax.ops import Backends, _indexer, _mla
 
 try:
     from tests import refs as R
@@ -118,7 +118,7 @@ class Built:
         @functools.partial(jax.jit, static_argnames=("sparse_impl",))
         def fwd(st, x, c_kv, k_pe, idx_cache, pos, key_valid, sparse_impl):
             return nnx.merge(graphdef, st)(x, c_kv, k_pe, idx_cache, pos=pos, key_valid=key_valid,
-                                           sparse_impl=sparse_impl)
+                                           backends=Backends(sparse=sparse_impl))
 
         self._fwd = fwd
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from k31jax.config import ModelConfig
 from k31jax.nn import DenseMLP, LatentMoE
-from k31jax.ops import _activations, _attn_res, _moe, _norms, _router
+from k31jax.ops import Backends, _activations, _attn_res, _moe, _norms, _router
 
 try:
     from tests import refs as R
@@ -276,7 +276,7 @@ def built_moe(kind):
 
     @functools.partial(jax.jit, static_argnames="impl")
     def fwd(st, x, impl):
-        return nnx.merge(graphdef, st)(x, impl=impl)
+        return nnx.merge(graphdef, st)(x, backends=Backends(moe=impl))
 
     return cfg, pure, state, fwd
 

@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 
 from conftest import randomize, tiny_config
-from k31jax import K31ForCausalLM, ModelConfig, sharding
-from k31jax.sharding import _ep
-from k31jax.sharding._plan import _param_leaves
+from k31jax import Backends, K31ForCausalLM, ModelConfig, distributed, nn, sharding
+from k31jax.nn import _ffn
+from k31jax.ops import _moe_ep as _ep
+from k31jax.distributed._plan import _param_leaves
 
 B, T_PREFILL, MAX_LEN = 4, 18, 32
 
@@ -74,12 +75,12 @@ def test_sharded_prefill_decode_equals_single_device(mesh_spec, expert_weights, 
                                                      monkeypatch):
     cfg, model, tokens, ref_a, ref_b = _reference(expert_weights, indexer)
     plans = []
-    orig = _ep.ep_routed_experts
-    monkeypatch.setattr(_ep, "ep_routed_experts", lambda *a, **k: plans.append(k["plan"]) or orig(*a, **k))
+    orig = _ffn.ep_routed_experts  # the name the MoE module calls
+    monkeypatch.setattr(_ffn, "ep_routed_experts", lambda *a, **k: plans.append(k["plan"]) or orig(*a, **k))
     mesh = sharding.make_mesh(mesh_spec)
-    sm = sharding.shard_model(model, mesh)
+    sm = distributed.shard_model(model, mesh)
     with sharding.activate(mesh):
-        cache = sharding.init_sharded_cache(cfg, B, MAX_LEN, mesh)
+        cache = distributed.init_sharded_cache(cfg, B, MAX_LEN, mesh)
         a, b, cache = _prefill_decode(sm, tokens, cache)
     np.testing.assert_allclose(a, ref_a, rtol=1e-5, atol=1e-5 * np.abs(ref_a).max())
     np.testing.assert_allclose(b, ref_b, rtol=1e-5, atol=1e-5 * np.abs(ref_b).max())
@@ -89,7 +90,7 @@ def test_sharded_prefill_decode_equals_single_device(mesh_spec, expert_weights, 
     w = sm.moe.w_gate.packed[...] if expert_weights == "mxfp4" else sm.moe.w_gate[...]
     fsdp = "fsdp" if "fsdp" in mesh_spec else None  # FSDP also splits the latent side
     assert _spec(w) == (None, ep_axes[0] if ep_axes else None, tp_axes[0] if tp_axes else None, fsdp)
-    want = sharding.cache_specs(cache, mesh)
+    want = distributed.cache_specs(cache, mesh)
     assert _spec(cache.mla_ckv) == _spec(want.mla_ckv, 4)
     assert int(cache.pos) == T_PREFILL + 1
 
@@ -99,13 +100,13 @@ def test_experts_inside_the_tensor_group_and_naive_path():
     the experts): both equal the single-device logits."""
     cfg, model, tokens, ref_a, ref_b = _reference("mxfp4", True)
     mesh = sharding.make_mesh(tensor=4, data=2)
-    sm = sharding.shard_model(model, mesh, "ep_in_tp")
+    sm = distributed.shard_model(model, mesh, "ep_in_tp")
     assert _spec(sm.moe.w_down.packed[...]) == (None, "tensor", None, None)
     with sharding.activate(mesh, "ep_in_tp"):
-        cache = sharding.init_sharded_cache(cfg, B, MAX_LEN, mesh)
+        cache = distributed.init_sharded_cache(cfg, B, MAX_LEN, mesh)
         assert _spec(cache.mla_ckv) == (None, "data", "tensor", None)
         a, b, _ = _prefill_decode(sm, tokens, cache)
-        naive = nnx.jit(lambda m, t: m(t, None, ep="off")[0])(sm, tokens[:, :T_PREFILL])
+        naive = nnx.jit(lambda m, t: m(t, None, backends=Backends(ep="off"))[0])(sm, tokens[:, :T_PREFILL])
     full = nnx.jit(lambda m, t: m(t, None)[0])(model, tokens[:, :T_PREFILL])
     np.testing.assert_allclose(a, ref_a, rtol=1e-5, atol=1e-5 * np.abs(ref_a).max())
     np.testing.assert_allclose(b, ref_b, rtol=1e-5, atol=1e-5 * np.abs(ref_b).max())
@@ -115,7 +116,7 @@ def test_experts_inside_the_tensor_group_and_naive_path():
 def test_sharded_init_materialises_shards_with_the_same_values():
     cfg = _reference("mxfp4", True)[0]
     mesh = sharding.make_mesh(expert=4, tensor=2)
-    model = sharding.init_sharded(cfg, mesh, seed=0)
+    model = distributed.init_sharded(cfg, mesh, seed=0)
     w = model.moe.w_gate.packed[...]
     assert _spec(w) == (None, "expert", "tensor", None)
     assert w.addressable_shards[0].data.shape == (w.shape[0], w.shape[1] // 4, w.shape[2] // 2, w.shape[3])
@@ -175,8 +176,8 @@ def test_every_large_leaf_of_k31_pro_is_sharded(table):
             spec = sharding.logical_to_spec(names, shape, mesh, rules)
             if nbytes > 1 << 20 and sharding.shard_factor(spec, mesh) == 1:
                 bad.append(("/".join(path), shape, names))
-    cache = sharding.abstract_cache(ModelConfig.preset("k31_pro"), 8, 1 << 20)
-    for name, axes in sharding.CACHE_AXES.items():
+    cache = distributed.abstract_cache(ModelConfig.preset("k31_pro"), 8, 1 << 20)
+    for name, axes in nn.CACHE_AXES.items():
         leaf = getattr(cache, name)
         nbytes = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
         if nbytes > 1 << 20 and sharding.shard_factor(sharding.logical_to_spec(axes, leaf.shape, mesh, rules), mesh) == 1:
@@ -191,7 +192,7 @@ ROUTER_BIAS_BYTES = 92 * 896 * 4  # the only non-expert leaf the EP+TP rules lea
 
 
 def test_planner_weight_bytes_match_the_spec_on_expert8_tensor8():
-    plan = sharding.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20, chunk=256)
+    plan = distributed.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20, chunk=256)
     assert plan.rules_name == "ep_tp" and plan.expert_format == "mxfp4"
     assert plan.weights["total_experts"] == EXPERT_BYTES
     assert plan.weights["total_experts"] + plan.weights["total_rest"] == TEXT_BYTES
@@ -222,7 +223,7 @@ def test_plan_cli_and_suggestion():
     text = out.getvalue()
     assert "22,600,876,032" in text and "-> fits" in text
     assert "smallest mesh that fits" in text and "NVIDIA B300" in text
-    best = sharding.suggest_mesh("k31_pro", "b300", batch=8, context=1 << 20, chunk=256, prefill_batch=1)
+    best = distributed.suggest_mesh("k31_pro", "b300", batch=8, context=1 << 20, chunk=256, prefill_batch=1)
     assert best is not None and best.devices == 8  # one 8 x B300 node holds K3.1 Pro at 1M context
 
 
@@ -235,12 +236,14 @@ def test_generate_accepts_distributed_and_mesh_flags():
     import argparse
 
     from k31jax.cli import REGISTRARS
-    from k31jax.sharding._distributed import cli_context
+    from k31jax.cli._common import cli_context
 
-    assert ("k31jax.sharding._plan", "register") in REGISTRARS
+    from k31jax.cli import _paper
+
+    assert _paper.register_plan in REGISTRARS
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd")
-    from k31jax.generate._cli import register
+    from k31jax.cli._generate import register
 
     register(sub)
     args = p.parse_args(["generate", "--prompt", "x", "--coordinator", "localhost:1234", "--num-processes", "2",

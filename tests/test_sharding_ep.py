@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k31jax import ops
 from k31jax import sharding
 from k31jax.ops import routed_experts
 from k31jax.ops._moe import MXFP4Weight
 from k31jax.quant import mxfp4_quantize_packed
-from k31jax.sharding import ragged_exchange
+from k31jax.ops import ragged_exchange
 
 CPU_EXCHANGES = ("dense", "allgather")
 
@@ -63,9 +64,9 @@ def _experts(e, i, ell, seed, mxfp4):
 def _run_ep(mesh_spec, x, idx, pw, weights, exchange, rules=None):
     mesh = sharding.make_mesh(mesh_spec)
     with sharding.activate(mesh, rules):
-        plan = sharding.make_plan(x.shape[0], weights, exchange=exchange)
+        plan = ops.make_ep_plan(x.shape[0], weights, exchange=exchange)
         assert plan is not None
-        out = jax.jit(lambda x, i, p, w: sharding.ep_routed_experts(x, i, p, *w, plan=plan))(x, idx, pw, weights)
+        out = jax.jit(lambda x, i, p, w: ops.ep_routed_experts(x, i, p, *w, plan=plan))(x, idx, pw, weights)
     return np.asarray(out), plan
 
 
@@ -111,10 +112,10 @@ def test_tensor_split_finer_than_mxfp4_blocks():
 
 def test_no_plan_without_a_mesh_or_with_unsplit_experts():
     weights = _experts(16, 64, 32, 0, False)
-    assert sharding.make_plan(8, weights) is None
+    assert ops.make_ep_plan(8, weights) is None
     mesh = sharding.make_mesh(data=8)
     with sharding.activate(mesh):
-        assert sharding.make_plan(8, weights) is None
+        assert ops.make_ep_plan(8, weights) is None
 
 
 @pytest.mark.gpu

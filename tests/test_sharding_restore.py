@@ -5,27 +5,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k31jax import ModelConfig, sharding
+from k31jax import ModelConfig, distributed, sharding
 from k31jax.ckpt import load_checkpoint
 
-convert_mod = pytest.importorskip("convert")
-fixture = pytest.importorskip("convert.make_release_fixture")
+from k31jax.conversion import convert, write_synthetic_release
 
 
 @pytest.fixture(scope="module")
 def orbax_dir(tmp_path_factory):
     work = tmp_path_factory.mktemp("restore")
-    src = fixture.write_release(work / "release", ModelConfig.preset("tiny", expert_weights="mxfp4"), seed=0)
-    convert_mod.convert(src, work / "orbax", progress=False)
+    src = write_synthetic_release(work / "release", ModelConfig.preset("tiny", expert_weights="mxfp4"), seed=0)
+    convert(src, work / "orbax", progress=False)
     return work / "orbax"
 
 
 @pytest.mark.parametrize("mesh_spec", ["tensor=8", "expert=4,tensor=2", "fsdp=2,expert=2,tensor=2"])
 def test_restore_onto_mesh(orbax_dir, mesh_spec):
     mesh = sharding.make_mesh(mesh_spec)
-    model = sharding.load_sharded(orbax_dir, mesh, dtype="float32")
+    model = distributed.load_sharded(orbax_dir, mesh, dtype="float32")
     plain = load_checkpoint(orbax_dir, dtype="float32")
-    want = sharding.state_specs(nnx.state(model), mesh)
+    want = distributed.state_specs(nnx.state(model), mesh)
     for (path, v), (_, w), (_, p) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(want),
                                          nnx.to_flat_state(nnx.state(plain))):
         arr = v.get_value()

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from k31jax.chat import (K2_SPECIAL_TOKENS, K3_SPECIAL_TOKENS, ByteTokenizer, KimiTokenizer,
-                         Segment, ThinkingBudget, ThinkPhase, load_tiktoken_ranks, pretokenize,
-                         render_k3, split_for_encoding)
+from k31jax.chat import (K2_SPECIAL_TOKENS, K3_SPECIAL_TOKENS, ByteTokenizer, KimiTokenizer, Segment,
+                         ThinkingBudget, ThinkPhase, render_k3)
+from k31jax.chat._specials import pretokenize
+from k31jax.chat._tokenizer import load_tiktoken_ranks, split_for_encoding
 from k31jax.chat._specials import build_special_table
 
 SAMPLES = [

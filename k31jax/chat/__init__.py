@@ -6,7 +6,10 @@
   ``stop_ids``, ``special_id``.
 - Rendering: ``render_k3`` → ``list[Segment]``; ``render_k3_text``; ``apply_chat_template``
   (effort defaults to ``"max"``); ``render_k2`` for the legacy format.
-- Parsing: ``parse_k3`` / ``K3StreamParser`` (events), ``parse_k2`` / ``K2StreamParser``.
+- Parsing: ``K3StreamParser.feed_segments`` (events) / ``parse_k3_segments`` take markup only
+  from special ids (``StreamDecoder.step_pieces``, ``decode_segments``): the path for model
+  output. ``parse_k3(text)`` / ``feed(text)`` trust a plain string (every special name in it is
+  markup). K2: ``parse_k2_segments`` / ``parse_k2`` / ``K2StreamParser``.
 - Thinking budget: ``ThinkingBudget.k3(tok, budget).start(prompt_ids)`` → ``state.step(id)``.
 
 Pure Python: importing this package never imports JAX (tiktoken is imported only when a
@@ -14,38 +17,27 @@ Pure Python: importing this package never imports JAX (tiktoken is imported only
 """
 
 from k31jax.chat._byte_tokenizer import ByteTokenizer
-from k31jax.chat._k2 import K2_DEFAULT_SYSTEM, K2StreamParser, parse_k2, render_k2
-from k31jax.chat._k3_output import K3StreamParser, k3_reasoning_ended, parse_k3
-from k31jax.chat._parse import (ContentDelta, ParsedMessage, ParseEvent, ReasoningDelta,
-                                ToolCall, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
-                                collect_events, new_tool_call_id)
-from k31jax.chat._render import (IMAGE_PLACEHOLDER, THINKING_EFFORTS, ChatTemplateError,
-                                 MissingReasoningError, apply_chat_template, render_k3,
-                                 render_k3_text, reorder_tool_results, resolve_reasoning_effort)
-from k31jax.chat._specials import (K2_SPECIAL_TOKENS, K3_NUM_BASE_TOKENS, K3_SPECIAL_TOKENS,
-                                   K3_VOCAB_SIZE, NUM_RESERVED_SPECIAL_TOKENS,
-                                   PRETOKENIZE_PATTERN, pretokenize)
-from k31jax.chat._thinking import ThinkingBudget, ThinkingBudgetState, ThinkPhase
-from k31jax.chat._tokenizer import (KimiTokenizer, Segment, StreamDecoder, TokenizerBase,
-                                    load_tiktoken_ranks, segments_to_text, split_for_encoding)
+from k31jax.chat._k2 import K2StreamParser, parse_k2, parse_k2_segments, render_k2
+from k31jax.chat._k3_output import K3StreamParser, parse_k3, parse_k3_segments
+from k31jax.chat._parse import (ContentDelta, ParsedMessage, ParseEvent, ReasoningDelta, ToolCall, ToolCallArgsDelta,
+                                ToolCallEnd, ToolCallStart, collect_events)
+from k31jax.chat._render import (THINKING_EFFORTS, ChatTemplateError, MissingReasoningError, apply_chat_template,
+                                 render_k3, render_k3_text)
+from k31jax.chat._specials import K2_SPECIAL_TOKENS, K3_SPECIAL_TOKENS
+from k31jax.chat._thinking import ThinkingBudget, ThinkPhase
+from k31jax.chat._tokenizer import KimiTokenizer, Segment, TokenizerBase
 
 __all__ = [
     # tokenizers
-    "KimiTokenizer", "ByteTokenizer", "TokenizerBase", "StreamDecoder", "Segment",
-    "segments_to_text", "load_tiktoken_ranks", "split_for_encoding", "pretokenize",
-    "PRETOKENIZE_PATTERN", "K3_SPECIAL_TOKENS", "K2_SPECIAL_TOKENS", "K3_NUM_BASE_TOKENS",
-    "K3_VOCAB_SIZE", "NUM_RESERVED_SPECIAL_TOKENS",
+    "ByteTokenizer", "K2_SPECIAL_TOKENS", "K3_SPECIAL_TOKENS", "KimiTokenizer", "Segment", "TokenizerBase",
     # K3 rendering
-    "render_k3", "render_k3_text", "apply_chat_template", "resolve_reasoning_effort",
-    "reorder_tool_results", "ChatTemplateError", "MissingReasoningError", "THINKING_EFFORTS",
-    "IMAGE_PLACEHOLDER",
+    "THINKING_EFFORTS", "ChatTemplateError", "MissingReasoningError", "apply_chat_template", "render_k3",
+    "render_k3_text",
     # parsing
-    "parse_k3", "K3StreamParser", "k3_reasoning_ended", "ParsedMessage", "ToolCall",
-    "ParseEvent", "ReasoningDelta", "ContentDelta", "ToolCallStart", "ToolCallArgsDelta",
-    "ToolCallEnd", "collect_events", "new_tool_call_id",
+    "ContentDelta", "K3StreamParser", "ParseEvent", "ParsedMessage", "ReasoningDelta", "ToolCall",
+    "ToolCallArgsDelta", "ToolCallEnd", "ToolCallStart", "collect_events", "parse_k3", "parse_k3_segments",
     # K2 legacy
-    "render_k2", "parse_k2", "K2StreamParser", "K2_DEFAULT_SYSTEM",
+    "K2StreamParser", "parse_k2", "parse_k2_segments", "render_k2",
     # thinking budget
-    "ThinkingBudget", "ThinkingBudgetState", "ThinkPhase",
+    "ThinkPhase", "ThinkingBudget",
 ]
-

@@ -9,11 +9,12 @@ pieces are merged into one segment, as the HF template renders one string before
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import regex
 
+from k31jax.chat._markup import Markup
 from k31jax.chat._parse import (Grammar, IdFactory, ParsedMessage, StreamParser, ToolCall,
                                 parse_output)
 from k31jax.chat._render import (ChatTemplateError, MediaPrompt, MissingReasoningError,
@@ -49,7 +50,7 @@ def render_k2(
     add_generation_prompt: bool = True,
     default_system: str | None = K2_DEFAULT_SYSTEM,
     media_prompt: MediaPrompt | None = None,
-    require_reasoning: bool = True,
+    require_reasoning: bool = False,
 ) -> list[Segment]:
     """Render a conversation in the K2 format.
 
@@ -58,7 +59,9 @@ def render_k2(
     only for messages after the last assistant message without tool calls (the in-progress
     agentic turn), or for all of them with ``preserve_thinking``. The generation prompt ends
     with ``<think>`` (thinking) or ``<think></think>`` (instant). Tool-call ids are rendered
-    verbatim (``functions.NAME:IDX``; synthesised in that form when missing).
+    verbatim (``functions.NAME:IDX``; synthesised in that form when missing). A kept
+    reasoning that is missing renders as ``<think></think>``; ``require_reasoning=True``
+    makes that an error for a tool-call turn (``MissingReasoningError``).
     """
     out: list[Segment] = []
 
@@ -119,39 +122,74 @@ def render_k2(
 
 
 # ---- output grammar --------------------------------------------------------------------
-_SECTION_BEGIN = r"<\|tool_calls_section_begin\|>"
-_ARG_BEGIN = "<|tool_call_argument_begin|>"
-_FUNC_ID = regex.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$", regex.DOTALL)
+K2_MARKUP = Markup(("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>", "[EOS]",
+                    "<think>", "</think>"))
+_SECTION_BEGIN, _SECTION_END = K2_MARKUP("<|tool_calls_section_begin|>"), K2_MARKUP("<|tool_calls_section_end|>")
+_CALL_BEGIN = K2_MARKUP("<|tool_call_begin|>")
+# In content, a section begin opens a section only when a call or the section end follows it
+# (after optional whitespace); otherwise it is a stray marker and stays text (§5 says nothing
+# about removing one). Reasoning ends at any section begin (§5).
+_SECTION_OPEN = rf"{_SECTION_BEGIN}\s*(?={_CALL_BEGIN}|{_SECTION_END})"
+_ARG_BEGIN = K2_MARKUP.from_trusted("<|tool_call_argument_begin|>")
+# functions.NAME:IDX (§5); a malformed id loses only what is there of the prefix and index.
+_FUNC_ID = regex.compile(r"(?:functions\.)?(?P<name>.+?)(?::\d+)?", regex.DOTALL)
 
 
 def _make_k2_call(header: str, body: str, new_id: IdFactory) -> ToolCall | None:
-    del header, new_id  # K2 ids come from the model and must round-trip verbatim
-    call_id, _, args = body.partition(_ARG_BEGIN)
-    call_id = call_id.strip()
-    m = _FUNC_ID.match(call_id)
-    if not call_id or m is None:
+    """A call from ``ID<|tool_call_argument_begin|>ARGS`` (internal form).
+
+    The id is kept verbatim whatever its form: §5 requires ids to round-trip verbatim, and a
+    replaced id would change what the model sees of its own turn. The name is the id without
+    a ``functions.`` prefix and ``:IDX`` suffix where present (``get_weather:0`` and
+    ``functions.get_weather`` give ``get_weather``); an id in another form (``call_x``,
+    ``functions_f_1``) is the name as it stands. A call with an empty id has no name and is
+    dropped, as K3 drops a nameless call.
+    """
+    del header, new_id  # K2 ids come from the model
+    raw_id, _, args = body.partition(_ARG_BEGIN)
+    call_id = K2_MARKUP.restore(raw_id).strip()
+    if not call_id:
         return None
-    return ToolCall(call_id, m.group("name"), args.strip() or "{}")
+    name = _FUNC_ID.fullmatch(call_id).group("name")
+    return ToolCall(call_id, name, K2_MARKUP.restore(args).strip() or "{}")
 
 
 K2_GRAMMAR = Grammar(
-    open_think=r"<think>",
+    markup=K2_MARKUP,
+    open_think=K2_MARKUP("<think>"),
     open_response=None,
-    reasoning_end={"close_think": r"</think>", "open_tools": _SECTION_BEGIN},
-    content_end={"open_tools": _SECTION_BEGIN},
-    open_tools=_SECTION_BEGIN,
-    tool_markers={"open_call": r"<\|tool_call_begin\|>", "close_call": r"<\|tool_call_end\|>",
-                  "close_tools": r"<\|tool_calls_section_end\|>"},
-    end=r"<\|im_end\|>|\[EOS\]",
+    reasoning_end={"close_think": K2_MARKUP("</think>"), "open_tools": _SECTION_BEGIN},
+    content_end={"open_tools": _SECTION_OPEN},
+    open_tools=_SECTION_OPEN,
+    tool_markers={"open_call": _CALL_BEGIN, "close_call": K2_MARKUP("<|tool_call_end|>"),
+                  "close_tools": _SECTION_END},
+    end=f'{K2_MARKUP("<|im_end|>")}|{K2_MARKUP("[EOS]")}',
     make_call=_make_k2_call,
+    repeat_sections=True,
 )
 
 
 def parse_k2(text: str, *, thinking: bool = False) -> ParsedMessage:
-    """Parse one complete K2 output. ``thinking``: the output starts in (or with) ``<think>``."""
-    return parse_output(K2_GRAMMAR, text, thinking=thinking)
+    """Parse one complete K2 output **given as text**; the text is trusted (every special name
+    in it is markup). For model output use ``parse_k2_segments``. ``thinking``: the output
+    starts in (or with) ``<think>``.
+
+    Several tool-call sections give all their calls in order, and the text between them is
+    content (verbatim, joined). Calls keep the model's ids (see ``_make_k2_call``). Section
+    markers that form no section stay in the content as text.
+    """
+    return parse_output(K2_GRAMMAR, K2_MARKUP.whole_trusted(text), thinking=thinking)
+
+
+def parse_k2_segments(segments: Iterable[Segment | tuple[str, bool]], *,
+                      thinking: bool = False) -> ParsedMessage:
+    """``parse_k2`` of decoded segments: markup comes only from special segments."""
+    return parse_output(K2_GRAMMAR, K2_MARKUP.from_segments(segments), thinking=thinking)
 
 
 class K2StreamParser(StreamParser):
+    """Streaming K2 parser: ``feed_segments`` decoded pieces (or ``feed`` trusted text)."""
+
     def __init__(self, *, thinking: bool = False):
         super().__init__(K2_GRAMMAR, thinking=thinking)

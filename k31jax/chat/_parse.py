@@ -1,10 +1,13 @@
 """Output parsing, whole and streaming (chat_format.md §3), for the K3 and K2 grammars.
 
-The parse runs on **decoded text** (special names kept): the model sometimes emits markers as
-BPE text. One grammar object describes a format; ``parse_output`` is the whole-text parser and
-``StreamParser`` the incremental one. Streaming holds back any suffix that could still become
-a marker and emits a tool call only once it is complete, so the concatenated stream always
-equals the whole parse of the same text, however the text is split.
+Markers are matched on text (tag names and attributes are BPE text, and whitespace is tolerated
+inside markers), but their special parts (``<|open|>``, ``<|sep|>``, ``<|end_of_msg|>`` …) count
+only where they came from special ids: the parse runs on the internal form of ``_markup``,
+built from decoded segments (engine) or from a trusted string (stored text). One grammar object
+describes a format; ``parse_output`` is the whole parser and ``StreamParser`` the incremental
+one. Streaming holds back any suffix that could still become a marker and emits a tool call
+only once it is complete, so the concatenated stream always equals the whole parse of the same
+output, however it is split.
 
 Whole-parse semantics (both formats):
 1. The turn ends at the first END marker (``<|end_of_msg|>``/``<|im_end|>`` or ``[EOS]``); the
@@ -18,8 +21,10 @@ Whole-parse semantics (both formats):
 4. Tools start at the first tools-open marker after the content and end at the tools close (or
    message close, or the end of the text). A call ends at its close marker, or implicitly at
    the next call open, the tools/message close or END; a call cut off by truncation is dropped.
-5. Truncation (no END): a trailing partial marker (at least 2 characters, starting with
-   ``<``) is stripped from reasoning or content that has no end marker.
+   With ``repeat_sections`` (K2), content resumes after a tools close: text between sections
+   is content and every section's calls are kept, in order.
+5. Truncation (no END): a trailing partial marker (it starts with a special id) is stripped
+   from reasoning or content that has no end marker.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import regex
+
+from k31jax.chat._markup import MARK_CLASS, Markup
+from k31jax.chat._tokenizer import Segment
 
 IdFactory = Callable[[], str]
 
@@ -99,7 +107,8 @@ ParseEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta |
 
 # ---- grammar ---------------------------------------------------------------------------
 # kinds: close_think (consumed), open_response, close_response, open_tools, close_tools,
-# close_message, open_call, close_call, end.
+# close_message, open_call, close_call, end. Patterns are written in the internal form
+# (``markup(name)`` for a special name); make_call gets a call's header and body in that form.
 MakeCall = Callable[[str, str, IdFactory], "ToolCall | None"]
 
 
@@ -108,12 +117,14 @@ def _alt(patterns: Mapping[str, str]) -> regex.Pattern:
 
 
 class Grammar:
-    """Compiled marker sets of one output format."""
+    """Compiled marker sets of one output format (patterns over ``markup``'s internal form)."""
 
-    def __init__(self, *, open_think: str | None, open_response: str | None,
+    def __init__(self, *, markup: Markup, open_think: str | None, open_response: str | None,
                  reasoning_end: Mapping[str, str], content_end: Mapping[str, str],
                  open_tools: str, tool_markers: Mapping[str, str], end: str,
-                 make_call: MakeCall):
+                 make_call: MakeCall, repeat_sections: bool = False):
+        self.markup = markup
+        self.repeat_sections = repeat_sections
         self.start_think = regex.compile(rf"\s*(?:{open_think})") if open_think else None
         self.start_response = regex.compile(rf"\s*(?:{open_response})") if open_response else None
         self.end = regex.compile(end)
@@ -136,9 +147,9 @@ _KINDS = frozenset({"close_think", "open_response", "close_response", "open_tool
 
 
 def strip_partial_tail(rx: regex.Pattern, text: str) -> str:
-    """Drop a trailing partial marker of ``rx`` (≥ 2 characters, starting with ``<``)."""
+    """Drop a trailing partial marker of ``rx`` (it starts with a special id)."""
     m = rx.search(text, partial=True)
-    if m is not None and m.partial and len(text) - m.start() >= 2 and text[m.start()] == "<":
+    if m is not None and m.partial and _MARKER_START.match(text, m.start()):
         return text[: m.start()]
     return text
 
@@ -164,7 +175,7 @@ def leftmost_marker(rx: regex.Pattern, text: str, pos: int, final: bool) -> rege
     return m
 
 
-_MARKER_START = regex.compile(r"[<\[]")
+_MARKER_START = regex.compile(MARK_CLASS)  # every marker starts with a special id
 
 
 def header_end(rx: regex.Pattern | None, text: str, pos: int, truncated: bool) -> int:
@@ -179,12 +190,14 @@ def header_end(rx: regex.Pattern | None, text: str, pos: int, truncated: bool) -
 
 
 # ---- whole parse -----------------------------------------------------------------------
-def parse_output(g: Grammar, text: str, *, thinking: bool = True,
+def parse_output(g: Grammar, internal: str, *, thinking: bool = True,
                  id_factory: IdFactory | None = None) -> ParsedMessage:
+    """Parse one complete output given in ``g.markup``'s internal form."""
     new_id = id_factory or new_tool_call_id
-    e = g.end.search(text)
+    restore = g.markup.restore
+    e = g.end.search(internal)
     ended = e is not None
-    body = text[: e.start()] if ended else text
+    body = internal[: e.start()] if ended else internal
 
     reasoning: str | None = None
     pos = 0
@@ -193,40 +206,46 @@ def parse_output(g: Grammar, text: str, *, thinking: bool = True,
         m = g.reasoning.search(body, start)
         if m is None:
             tail = body[start:]
-            return ParsedMessage(tail if ended else strip_partial_tail(g.reasoning, tail), None, [])
-        reasoning = body[start : m.start()]
+            return ParsedMessage(restore(tail if ended else strip_partial_tail(g.reasoning, tail)), None, [])
+        reasoning = restore(body[start : m.start()])
         pos = m.end() if g.kind(m) == "close_think" else m.start()
 
-    cstart = header_end(g.start_response, body, pos, not ended)
-    m = g.content.search(body, cstart)
-    if m is None:
-        tail = body[cstart:]
-        return ParsedMessage(reasoning, tail if ended else strip_partial_tail(g.content, tail), [])
-    content = body[cstart : m.start()]
-    t = m if g.kind(m) == "open_tools" else g.after_content.search(body, m.end())
-
+    content: list[str] = []
     calls: list[ToolCall] = []
+    pos = header_end(g.start_response, body, pos, not ended)
+    while pos is not None:
+        m = g.content.search(body, pos)
+        if m is None:
+            tail = body[pos:]
+            content.append(tail if ended else strip_partial_tail(g.content, tail))
+            break
+        content.append(body[pos : m.start()])
+        t = m if g.kind(m) == "open_tools" else g.after_content.search(body, m.end())
+        pos = None if t is None else _parse_tools(g, body, t.end(), ended, new_id, calls)
+    return ParsedMessage(reasoning, restore("".join(content)), calls)
 
-    def add(header: str, call_body: str) -> None:
-        call = g.make_call(header, call_body, new_id)
-        if call is not None:
-            calls.append(call)
 
-    if t is not None:
-        cur: regex.Match | None = None
-        for mm in g.tools.finditer(body, t.end()):
-            kind = g.kind(mm)
-            if cur is not None:
-                add(cur.group(), body[cur.end() : mm.start()])
-                cur = None
-            if kind == "open_call":
-                cur = mm
-            elif kind in ("close_tools", "close_message"):
-                break
-        else:
-            if cur is not None and ended:  # implicitly closed by END; truncation drops it
-                add(cur.group(), body[cur.end() :])
-    return ParsedMessage(reasoning, content, calls)
+def _parse_tools(g: Grammar, body: str, pos: int, ended: bool, new_id: IdFactory,
+                 calls: list[ToolCall]) -> int | None:
+    """Append the calls of the tools section starting at ``pos``; returns where content
+    resumes (after a tools close, with ``repeat_sections``), else None (the message is over)."""
+    cur: regex.Match | None = None
+    for mm in g.tools.finditer(body, pos):
+        kind = g.kind(mm)
+        if cur is not None:
+            call = g.make_call(cur.group(), body[cur.end() : mm.start()], new_id)
+            calls.extend([call] if call is not None else [])
+            cur = None
+        if kind == "open_call":
+            cur = mm
+        elif kind == "close_tools" and g.repeat_sections:
+            return mm.end()
+        elif kind in ("close_tools", "close_message"):
+            return None
+    if cur is not None and ended:  # implicitly closed by END; truncation drops it
+        call = g.make_call(cur.group(), body[cur.end() :], new_id)
+        calls.extend([call] if call is not None else [])
+    return None
 
 
 # ---- streaming parse -------------------------------------------------------------------
@@ -234,10 +253,14 @@ _PRE_REASON, _REASON, _PRE_CONTENT, _CONTENT, _AFTER_CONTENT, _TOOLS, _DONE = ra
 
 
 class StreamParser:
-    """Incremental parser: ``feed(text) -> events``, then ``finish() -> events``.
+    """Incremental parser: ``feed_segments`` / ``feed`` → events, then ``finish()`` → events.
 
-    Feed decoded text in any pieces (token texts from ``StreamDecoder``, characters, …).
-    ``result()`` is the message so far; after ``finish()`` it equals the whole parse.
+    ``feed_segments(pieces)`` takes decoded pieces that mark which text came from special ids
+    (``StreamDecoder.step_pieces``): only those are markup, so ordinary tokens that spell
+    ``<|open|>`` stay text. This is the path for model output. ``feed(text)`` takes plain text
+    and **trusts** it: every special name in it is markup (stored transcripts, text decoded
+    with specials kept). Pieces may be split anywhere. ``result()`` is the message so far;
+    after ``finish()`` it equals the whole parse of the same input.
     """
 
     def __init__(self, grammar: Grammar, *, thinking: bool = True,
@@ -245,10 +268,11 @@ class StreamParser:
         self._g = grammar
         self._thinking = thinking
         self._new_id = id_factory or new_tool_call_id
-        self._buf = ""
+        self._buf = ""  # internal form (see _markup)
+        self._held = ""  # trusted text that may still grow into a special name
         self._phase = _PRE_REASON if thinking else _PRE_CONTENT
         self._pos = self._emitted = self._scan = 0
-        self._call: tuple[str, int] | None = None  # (header text, body start)
+        self._call: tuple[str, int] | None = None  # (header, body start)
         self._reasoning: list[str] = []
         self._content: list[str] | None = None
         self._calls: list[ToolCall] = []
@@ -260,14 +284,22 @@ class StreamParser:
         return self._phase == _DONE
 
     def feed(self, text: str) -> list[ParseEvent]:
+        """Feed trusted text: special names in it are markup."""
         if self._finished:
             raise RuntimeError("feed() after finish()")
         if not text or self._phase == _DONE:
             return []
-        self._buf += text
-        events = self._run(final=False)
-        self._trim()
-        return events
+        internal, self._held = self._g.markup.split_trusted(self._held + text)
+        return self._add(internal)
+
+    def feed_segments(self, segments: Iterable[Segment | tuple[str, bool]]) -> list[ParseEvent]:
+        """Feed decoded pieces: markup comes only from the special ones."""
+        if self._finished:
+            raise RuntimeError("feed_segments() after finish()")
+        if self._phase == _DONE:
+            return []
+        held, self._held = [(self._held, False)], ""  # trusted text cannot go on across segments
+        return self._add(self._g.markup.from_segments(held + list(segments)))
 
     def feed_all(self, pieces: Iterable[str]) -> list[ParseEvent]:
         return [e for p in pieces for e in self.feed(p)]
@@ -275,10 +307,12 @@ class StreamParser:
     def finish(self) -> list[ParseEvent]:
         if self._finished:
             return []
+        if self._phase != _DONE:
+            self._buf += self._g.markup.end_trusted(self._held)
         events = self._run(final=True)
         self._finished = True
         self._phase = _DONE
-        self._buf = ""
+        self._buf = self._held = ""
         return events
 
     def result(self) -> ParsedMessage:
@@ -289,9 +323,18 @@ class StreamParser:
         )
 
     # ---- internals ---------------------------------------------------------------------
-    def _emit(self, events: list[ParseEvent], text: str) -> None:
-        if not text:
+    def _add(self, internal: str) -> list[ParseEvent]:
+        if not internal:
+            return []
+        self._buf += internal
+        events = self._run(final=False)
+        self._trim()
+        return events
+
+    def _emit(self, events: list[ParseEvent], internal: str) -> None:
+        if not internal:
             return
+        text = self._g.markup.restore(internal)
         if self._phase in (_PRE_REASON, _REASON):
             self._reasoning.append(text)
             events.append(ReasoningDelta(text))
@@ -364,6 +407,9 @@ class StreamParser:
                     self._complete_call(ev, m.start())
                 if kind == "open_call":
                     self._call = (m.group(), m.end())
+                elif kind == "close_tools" and self._g.repeat_sections:
+                    self._phase = _CONTENT  # content resumes after the section
+                    self._emitted = self._scan
                 elif kind in ("close_tools", "close_message", "end"):
                     self._phase = _DONE
         return ev

@@ -27,7 +27,8 @@ class ChatTemplateError(ValueError):
 
 
 class MissingReasoningError(ChatTemplateError):
-    """An assistant tool-call turn came back without its ``reasoning_content``."""
+    """An assistant tool-call turn came back without its ``reasoning_content`` (raised only
+    with ``require_reasoning=True``)."""
 
 
 # ---- building blocks ------------------------------------------------------------------
@@ -288,7 +289,8 @@ def _assistant(out: list[Segment], m: Mapping[str, Any], i: int, thinking: bool,
             raise MissingReasoningError(
                 f"{where} has tool_calls but no reasoning_content. With thinking on, K3 renders "
                 "every past reasoning: pass each assistant turn back unchanged (content, "
-                "reasoning_content and tool_calls with their ids), or render with thinking=False."
+                "reasoning_content and tool_calls with their ids), render with thinking=False, "
+                "or drop require_reasoning=True to render an empty think block as the release does."
             )
         out.extend(open_tag("think"))
         if reasoning and reasoning.strip():
@@ -319,7 +321,7 @@ def render_k3(
     response_schema: Any = None,
     add_generation_prompt: bool = True,
     media_prompt: MediaPrompt | None = None,
-    require_reasoning: bool = True,
+    require_reasoning: bool = False,
 ) -> list[Segment]:
     """Render a conversation to K3 XTML segments (chat_format.md §2).
 
@@ -327,8 +329,12 @@ def render_k3(
     effort message; ``apply_chat_template`` defaults to ``"max"``. ``media_prompt(part)``,
     if given, returns the pre-built media block for a non-text content part (a control
     segment); otherwise image parts become the text ``<|kimi_image_placeholder|>``.
-    With thinking on, an assistant message with ``tool_calls`` but no ``reasoning_content``
-    raises ``MissingReasoningError`` unless ``require_reasoning=False``.
+    With thinking on, an assistant message without ``reasoning_content`` (or ``reasoning``)
+    gets an empty think block, ``<|open|>think<|sep|><|close|>think<|sep|>``, as in the release
+    template (OpenAI-style clients often drop ``reasoning_content``). With
+    ``require_reasoning=True`` such a message that has ``tool_calls`` raises
+    ``MissingReasoningError`` instead: the model did reason there, so the prompt differs from
+    what it generated (and prefix caching misses).
     """
     validate_effort(thinking_effort)
     choice = _tool_choice_kind(tool_choice)
@@ -397,6 +403,7 @@ def apply_chat_template(
     **kwargs: Any,
 ) -> list[int] | str:
     """Tokenizer-level chat template: like ``render_k3`` but the effort defaults to ``"max"``.
+    Other keywords go to ``render_k3`` (``require_reasoning=True`` for the strict check).
 
     Returns token ids (``encode_segments``), or the prompt string with ``tokenize=False``.
     """

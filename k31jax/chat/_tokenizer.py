@@ -75,11 +75,24 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: "TokenizerBase"):
         self._token_bytes = tokenizer.token_bytes
+        self._special_name = tokenizer.special_name
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def step(self, token_id: int) -> str:
         """Text completed by one more token (possibly empty)."""
         return self._decoder.decode(self._token_bytes(token_id))
+
+    def step_pieces(self, token_id: int) -> list[Segment]:
+        """``step`` that keeps apart what came from a special token: an ordinary token gives
+        ``[Segment(text, False)]``; a special one gives ``[Segment(name, True)]``, after the
+        U+FFFD of any unfinished character it cut off. Empty text gives no segment. Output
+        parsers take markup only from the special segments (chat_format.md §1.3)."""
+        name = self._special_name(token_id)
+        if name is None:
+            text = self.step(token_id)
+            return [Segment(text, False)] if text else []
+        cut = self.flush()  # a special id never completes a character
+        return ([Segment(cut, False)] if cut else []) + [Segment(name, True)]
 
     def feed(self, token_ids: Iterable[int]) -> str:
         return "".join(self.step(t) for t in token_ids)
@@ -121,6 +134,10 @@ class TokenizerBase:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._id_to_special
+
+    def special_name(self, token_id: int) -> str | None:
+        """The name of a special id, ``None`` for an ordinary one."""
+        return self._id_to_special.get(token_id)
 
     def _first_present(self, names: Sequence[str]) -> int | None:
         for n in names:
@@ -201,6 +218,29 @@ class TokenizerBase:
     def decode(self, token_ids: Iterable[int]) -> str:
         """Decode with special names kept and no spaces between them; bad UTF-8 → U+FFFD."""
         return self.decode_bytes(token_ids).decode("utf-8", errors="replace")
+
+    def decode_segments(self, token_ids: Iterable[int]) -> list[Segment]:
+        """Decode into segments that say which text came from special ids: each special id is
+        its own ``Segment(name, True)``, the ordinary text between them one ``Segment(text,
+        False)``. Text that merely spells a special name stays ordinary. Feed the result to
+        ``parse_k3_segments`` / ``parse_k2_segments``."""
+        out: list[Segment] = []
+        run: list[int] = []  # ordinary ids since the last special one, decoded in one go
+
+        def end_run() -> None:
+            if run:
+                out.append(Segment(self.decode(run), False))  # a cut character becomes U+FFFD
+                run.clear()
+
+        for t in token_ids:
+            name = self._id_to_special.get(int(t))
+            if name is None:
+                run.append(int(t))
+            else:
+                end_run()
+                out.append(Segment(name, True))
+        end_run()
+        return [s for s in out if s.text]
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
-from ..nn import K31ForCausalLM
-from ._plan import CheckpointError, _get, build_value, make_plan
+from ..nn import K31ForCausalLM, abstract_model
+from ._plan import CheckpointError, build_value, get_path, make_plan
 from ._safetensors import SafetensorsIndex, TensorReader
 
 __all__ = ["CheckpointError", "load_hf_weights"]
@@ -47,7 +47,7 @@ def load_hf_weights(
     if overrides:
         cfg = cfg.replace(**overrides)
     index = SafetensorsIndex(path)
-    abstract = nnx.eval_shape(lambda: K31ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     graphdef, abs_state = nnx.split(abstract)
     targets = nnx.to_pure_dict(abs_state)
     plan = make_plan(cfg, index.tensors, root=path, expert_weights=cfg.expert_weights, vision=False,
@@ -57,7 +57,7 @@ def load_hf_weights(
     with TensorReader() as reader:
         for entry in plan.entries:
             path_ = entry.source.path + ((entry.part,) if entry.part else ())
-            dest, slot = _get(arrays, path_), entry.source.slot
+            dest, slot = get_path(arrays, path_), entry.source.slot
             value = build_value(entry, reader, cfg)
             want = dest.shape if slot is None else dest.shape[1:]
             if value.shape != want:
@@ -65,10 +65,10 @@ def load_hf_weights(
                                       f"expected {list(want)}")
             if slot is None:
                 dest[...] = value.astype(dest.dtype)
-                _get(filled, path_)[...] = True
+                get_path(filled, path_)[...] = True
             else:
                 dest[slot] = value.astype(dest.dtype)
-                _get(filled, path_)[slot] = True
+                get_path(filled, path_)[slot] = True
     empty = [k for k, v in jax.tree_util.tree_leaves_with_path(filled) if not v.all()]
     if empty:
         raise CheckpointError(f"internal: parameters without a source: {[jax.tree_util.keystr(k) for k in empty]}")

@@ -16,7 +16,6 @@ one extra copy of one leaf while its slots are concatenated.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import json
 import logging
@@ -26,8 +25,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
+from ..nn import abstract_model
 from ._names import stack_layers
 from ._plan import CheckpointError, layer_key
 
@@ -39,61 +41,11 @@ _STACKED = ("norms", "kda", "mla", "dense", "moe")
 
 
 def _ocp():
+    # Orbax (and TensorStore under it) is imported on first use: a heavy import that
+    # `import k31jax` should not pay for.
     import orbax.checkpoint.experimental.v1 as ocp1
 
     return ocp1
-
-
-# ----------------------------------------------------------------------------- saving options
-@contextlib.contextmanager
-def save_context(*, chunk_byte_size: int = 1 << 28, fsync_each_write: bool = False, use_ocdbt: bool = True):
-    """Orbax options for the converter: no compression (MXFP4 bytes do not compress), no
-    defensive copy of host arrays, and leaves larger than `chunk_byte_size` (the routed
-    experts: 4.9 GB per leaf in K3) stored in chunks of at most that size, split along the
-    leading (expert / vocab) axis first, so a sharded restore reads only the chunks it needs;
-    smaller leaves are one chunk each (chunking costs write speed). With `fsync_each_write=False`
-    TensorStore's per-write fsync is switched off for the duration (the converter syncs every
-    file once at the end).
-
-    With OCDBT every partial save leaves its own database, and finalize merges them all in
-    one transaction, superlinearly in their number: a 93-layer tree in 442 calls converts in
-    82 s all told, in 1,549 calls it had not finished merging after 8 minutes (3 GB held).
-    Hence few, large calls (`convert` never writes less than the largest leaf per call).
-    `use_ocdbt=False` avoids the merge but stores a file per chunk: a file per expert."""
-    ocp1 = _ocp()
-    ctx = ocp1.Context()
-    ctx.array.saving.use_compression = False
-    ctx.array.saving.use_ocdbt = use_ocdbt
-    ctx.memory.deepcopy_host_arrays = False
-    storage = ocp1.options.ArrayOptions.Saving.StorageOptions
-
-    def chunked(_, value):  # split the leading axis (experts, vocab) first: that is what restores shard
-        if getattr(value, "nbytes", 0) <= chunk_byte_size:
-            return None
-        return storage(chunk_byte_size=chunk_byte_size, shard_axes=(0,))
-
-    ctx.array.saving.scoped_storage_options_creator = chunked
-    overrides = {} if fsync_each_write else {"file_io_sync": False}
-    patched = []
-    try:
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
-
-        defaults = (tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT)
-    except (ImportError, AttributeError):  # a different orbax: keep its defaults
-        defaults = ()
-    for d in defaults:
-        for key, value in overrides.items():
-            patched.append((d, key, key in d, d.get(key)))
-            d[key] = value
-    try:
-        with ctx, quiet_orbax():
-            yield ctx
-    finally:
-        for d, key, had, old in patched:
-            if had:
-                d[key] = old
-            else:
-                d.pop(key, None)
 
 
 class _DropMessages(logging.Filter):
@@ -116,135 +68,6 @@ def quiet_orbax():
         yield
     finally:
         logger.removeFilter(drop)
-
-
-def drop_interior_keys(d: dict) -> dict:
-    """Drop every metadata key that is a strict prefix of another (an interior node, not a
-    leaf): tuple keys (their `repr`) by tuple prefix, other pairs by string prefix ending in
-    '.' or '/'. The same result as Orbax's partial-save `_filter_conflicting_keys`, which
-    compares every ordered pair of keys — quadratic in the leaf count, for every call being
-    merged: a 93-layer tree of K3's 3,180 leaves in 442 calls had not finished after 16
-    CPU-minutes."""
-    parsed = {}
-    for k in d:
-        try:
-            parsed[k] = ast.literal_eval(k)
-        except (ValueError, SyntaxError):
-            parsed[k] = k
-    tuple_prefixes, prefixes_of_all, prefixes_of_plain = set(), set(), set()
-    for k, t in parsed.items():
-        is_tuple = isinstance(t, tuple)
-        if is_tuple:
-            tuple_prefixes.update(t[:i] for i in range(len(t)))
-        cuts = {k[:i] for i, ch in enumerate(k) if ch in "./"}
-        prefixes_of_all |= cuts
-        if not is_tuple:
-            prefixes_of_plain |= cuts
-    for k, t in parsed.items():
-        if isinstance(t, tuple):
-            interior = t in tuple_prefixes or k in prefixes_of_plain
-        else:
-            interior = k in prefixes_of_all
-        if interior:
-            del d[k]
-    return d
-
-
-@contextlib.contextmanager
-def fast_partial_saves():
-    """Orbax partial saves and their finalize in time linear in the leaves written.
-
-    Orbax's partial save re-reads and re-merges the metadata of every earlier call and checks
-    each new key against all saved keys, and its finalize filters keys pairwise per call:
-    for K3's 3,180 leaves in 647 calls that grows with the square of the calls (a 93-layer
-    synthetic tree in 442 calls had not finished after 16 CPU-minutes). Inside this context the
-    replacement check keeps a set of the keys written so far (same errors: a key written
-    twice, or a key that is a prefix of another, is refused) and finalize uses
-    `drop_interior_keys`; both are restored afterwards. Where Orbax lacks these private
-    functions nothing is patched (correct, just slow)."""
-    try:
-        from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as handler
-        from orbax.checkpoint.experimental.v1._src.partial import saving
-    except ImportError:  # pragma: no cover - a different orbax layout
-        yield
-        return
-    patches = [(handler, "_get_partial_save_additions"), (saving, "_filter_conflicting_keys")]
-    if not all(hasattr(mod, name) for mod, name in patches):  # pragma: no cover
-        yield
-        return
-    seen: set[tuple] = set()
-    interior: set[tuple] = set()
-
-    async def additions(directory, flat_item, pytree_metadata_options):
-        for key in flat_item:
-            path = key if isinstance(key, tuple) else (key,)
-            if path in seen or path in interior or any(path[:i] in seen for i in range(1, len(path))):
-                raise handler.PartialSaveReplacementError(
-                    f"Key {key!r} was found in a previous partial save in this session (or is a prefix "
-                    "of / prefixed by one). Partial saving does not support REPLACEMENT.")
-            seen.add(path)
-            interior.update(path[:i] for i in range(1, len(path)))
-        return set(flat_item)
-
-    old = [getattr(mod, name) for mod, name in patches]
-    handler._get_partial_save_additions = additions
-    saving._filter_conflicting_keys = drop_interior_keys
-    try:
-        yield
-    finally:
-        for (mod, name), fn in zip(patches, old):
-            setattr(mod, name, fn)
-
-
-def flush_new_files(root: Path, seen: set[str], *, sealed_depth: int = 2) -> None:
-    """fsync the files written under `root` since the last call and drop them from the page
-    cache (a streaming writer's pages are never read again; recycling them keeps the cache
-    footprint of a 1.5 TB conversion at one write call). `seen` carries state between calls.
-
-    Orbax writes each partial save into a new folder `sealed_depth` levels below the
-    converter's box (`<box>/<name>.partial_save/<pending>`) and leaves it alone until
-    finalize, so a folder at that depth is walked once, when it first appears: each call
-    costs what it wrote, not what the checkpoint holds. (Anything rewritten later is synced
-    by the final `fsync_tree`.) Safe to run while the next save writes: files that vanish
-    mid-walk are skipped."""
-    base = len(Path(root).parts)
-    for dirpath, dirnames, files in os.walk(root):
-        depth = len(Path(dirpath).parts) - base
-        if depth == sealed_depth - 1:
-            fresh = [d for d in dirnames if os.path.join(dirpath, d) not in seen]
-            seen.update(os.path.join(dirpath, d) for d in fresh)
-            dirnames[:] = fresh
-        for f in files:
-            path = os.path.join(dirpath, f)
-            if depth < sealed_depth and path in seen:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:  # renamed or removed by a save running meanwhile
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            if depth < sealed_depth:
-                seen.add(path)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under `root` (durability before the final rename)."""
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -275,11 +98,11 @@ def checkpoint_config(info: dict, **overrides) -> ModelConfig:
     return ModelConfig.from_hf(info["config"], **fields)
 
 
-def _flat(tree, prefix=()) -> dict[tuple[str, ...], object]:
+def flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flat(v, prefix + (k,)))
+            out.update(flatten(v, prefix + (k,)))
         else:
             out[prefix + (k,)] = v
     return out
@@ -301,7 +124,7 @@ def load_stored(path: str | os.PathLike, keys, stored: dict | None = None) -> di
     path = Path(path).absolute()
     if stored is None:
         with quiet_orbax():
-            stored = _flat(ocp1.metadata(path).metadata)
+            stored = flatten(ocp1.metadata(path).metadata)
     targets = {}
     for k in keys:
         if k not in stored:
@@ -315,25 +138,23 @@ def load_stored(path: str | os.PathLike, keys, stored: dict | None = None) -> di
     with ctx:
         with quiet_orbax():
             out = ocp1.load(str(path), _nest(targets))
-    return {k: np.asarray(v) for k, v in _flat(out).items()}
+    return {k: np.asarray(v) for k, v in flatten(out).items()}
 
 
 def load_vision(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The vision tower and projector tensors by release name, as stored (verbatim)."""
     info = checkpoint_info(path)
-    stored = _flat(info["stored"])
+    stored = flatten(info["stored"])
     keys = [k for k in stored if k[0] == "vision"]
     return {".".join(k[1:]): v for k, v in load_stored(path, keys, stored).items()}
 
 
 def _resolve_shardings(shardings, targets: dict) -> dict[tuple[str, ...], object]:
-    flat_t = _flat(targets)
+    flat_t = flatten(targets)
     if shardings is None:  # uncommitted arrays on the default device, like a freshly built model
         return dict.fromkeys(flat_t)
     if isinstance(shardings, jax.sharding.Sharding):
         return dict.fromkeys(flat_t, shardings)
-    from flax import nnx
-
     if isinstance(shardings, nnx.State):
         shardings = nnx.to_pure_dict(shardings)
     flat_s = {}
@@ -376,19 +197,15 @@ def load_checkpoint(
     Layers are restored in calls of at most `max_bytes_per_call` bytes. The vision subtree
     is not read (see `load_vision`).
     """
-    from flax import nnx
-
-    from ..nn import K31ForCausalLM
-
     path = Path(path).absolute()
     info = checkpoint_info(path)
     cfg = checkpoint_config(info, dtype=str(jnp.dtype(dtype or jnp.bfloat16)))
-    abstract = nnx.eval_shape(lambda: K31ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     graphdef, abs_state = nnx.split(abstract)
     targets = nnx.to_pure_dict(abs_state)
-    flat_t = _flat(targets)
+    flat_t = flatten(targets)
     shard = _resolve_shardings(shardings, targets)
-    stored = _flat(info["stored"])
+    stored = flatten(info["stored"])
     layers_of = stack_layers(cfg)
 
     def where(key, slot):  # model leaf (+ slot) -> stored key
@@ -473,8 +290,6 @@ def load_checkpoint(
 def _run_sharding(sh):
     """The sharding for a run of consecutive layer slots: the stacked spec with the layers
     axis unsharded (it is usually unsharded already). None stays None (default device)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     if isinstance(sh, NamedSharding):
         spec = tuple(sh.spec)
         return NamedSharding(sh.mesh, PartitionSpec(None, *spec[1:]))

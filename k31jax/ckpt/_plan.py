@@ -22,58 +22,24 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Literal
 
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from ..config import ModelConfig
+from ..nn import abstract_model
 from ._names import F32_PARAMS, INDEXER_RE, VISION_PREFIXES, Source, detect_prefix, param_sources, vision_sources
 from ._safetensors import DTYPES, TensorInfo, no_gc
-from ._transforms import (FLOAT_DTYPES, CheckpointError, _get, build_value, build_values, canonical_tensors, expected_dtypes,
-                          expected_shapes, unbuild_value)
+from ._transforms import (FLOAT_DTYPES, CheckpointError, Entry, build_value, build_values, canonical_tensors, expected_dtypes,
+                          expected_shapes, get_path, unbuild_value)
 
 __all__ = ["CheckpointError", "Entry", "Plan", "build_value", "build_values", "canonical_tensors", "expected_dtypes",
            "expected_shapes", "layer_key", "make_plan", "unbuild_value"]
 
-Mode = Literal["tensor", "stack", "dequant", "init"]
-
-
 def layer_key(layer: int) -> str:
     return f"layer_{layer:03d}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One stored leaf: its Orbax key, stored shape/dtype and the source tensors.
-
-    mode: tensor = one source tensor through `source.transform`; stack = per-expert tensors
-    stacked verbatim (`part` "packed"/"scale", or float `.weight`); dequant = per-expert
-    (packed, scale) pairs decoded to `dtype`; init = no source (a freshly initialised
-    indexer, `init_missing_indexer`).
-    """
-
-    key: tuple[str, ...]
-    source: Source
-    part: str | None
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    tensors: tuple[TensorInfo, ...]
-    mode: Mode
-    group: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    @property
-    def source_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    def describe(self) -> str:
-        slot = "" if self.source.slot is None else f"[{self.source.slot}]"
-        return "/".join(self.source.path + ((self.part,) if self.part else ())) + slot
 
 
 @dataclasses.dataclass
@@ -314,7 +280,6 @@ def make_plan(
 
 def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_missing_indexer, vision,
                abstract) -> Plan:
-    from .._sizes import abstract_model
 
     problems = _Problems()
     names = set(tensors)
@@ -327,8 +292,6 @@ def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_mi
         cfg = cfg.replace(expert_weights=expert_weights)
     _count_checks(cfg, names, tensors, pre, problems)
     if abstract is None:
-        from flax import nnx
-
         abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
     store_dtype = None if dtype is None else np.dtype(dtype)
     entries: list[Entry] = []
@@ -347,7 +310,7 @@ def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_mi
                                  (info,), "tensor", "vision"))
             continue
         try:
-            leaf = _get(abstract, src.path)
+            leaf = get_path(abstract, src.path)
         except KeyError:
             raise CheckpointError(f"internal: no parameter {'/'.join(src.path)} for this config") from None
         group = "globals" if src.layer is None else layer_key(src.layer)

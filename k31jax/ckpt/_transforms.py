@@ -10,17 +10,19 @@ config. Spec: checkpoint_format.md §2-§6, mx_formats.md §3.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from typing import TYPE_CHECKING
+from typing import Literal
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ..config import ModelConfig
+from ..nn import abstract_model
+from ..quant import mxfp4_dequantize_packed, mxfp4_quantize_packed
 from ._names import F32_PARAMS, Source, param_sources
 from ._safetensors import DTYPES, TensorInfo
-
-if TYPE_CHECKING:
-    from ._plan import Entry
 
 FLOAT_DTYPES = ("BF16", "F32", "F16")
 E8M0_NAN = 0xFF
@@ -30,7 +32,42 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the config; the message names the files and tensors."""
 
 
-def _get(tree, path):
+Mode = Literal["tensor", "stack", "dequant", "init"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One stored leaf: its Orbax key, stored shape/dtype and the source tensors.
+
+    mode: tensor = one source tensor through `source.transform`; stack = per-expert tensors
+    stacked verbatim (`part` "packed"/"scale", or float `.weight`); dequant = per-expert
+    (packed, scale) pairs decoded to `dtype`; init = no source (a freshly initialised
+    indexer, `init_missing_indexer`).
+    """
+
+    key: tuple[str, ...]
+    source: Source
+    part: str | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tensors: tuple[TensorInfo, ...]
+    mode: Mode
+    group: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def describe(self) -> str:
+        slot = "" if self.source.slot is None else f"[{self.source.slot}]"
+        return "/".join(self.source.path + ((self.part,) if self.part else ())) + slot
+
+
+def get_path(tree, path):
     for p in path:
         tree = tree[p]
     return tree
@@ -69,10 +106,6 @@ def _nan_scales(block: np.ndarray, infos, what: str) -> None:
 
 
 def _dequant(packed: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
-    import jax.numpy as jnp
-
-    from ..quant import mxfp4_dequantize_packed
-
     return np.asarray(mxfp4_dequantize_packed(jnp.asarray(packed), jnp.asarray(scale), dtype=jnp.dtype(dtype)))
 
 
@@ -197,10 +230,6 @@ def unbuild_value(entry: Entry, value: np.ndarray, cfg: ModelConfig) -> list[tup
         return [(info, np.ascontiguousarray(value[e]).astype(DTYPES[info.dtype], copy=False))
                 for e, info in enumerate(entry.tensors)]
     if entry.mode == "dequant":
-        import jax.numpy as jnp
-
-        from ..quant import mxfp4_quantize_packed
-
         out = []
         for e, (a, b) in enumerate(zip(entry.tensors[0::2], entry.tensors[1::2])):
             packed, scale = mxfp4_quantize_packed(jnp.asarray(value[e], jnp.float32), rule="floor")
@@ -224,10 +253,6 @@ def canonical_tensors(cfg: ModelConfig, *, style: str | None = None) -> list[tup
     layer order, canonical spellings (K3 style `language_model.` names, or Kimi Linear
     `model.` names), bf16 weights, the release's f32 tensors, and the routed experts in
     `cfg.expert_weights` (MXFP4 weight_packed/weight_scale, or bf16 `.weight`)."""
-    from flax import nnx
-
-    from .._sizes import abstract_model
-
     if style is None:
         style = "k3" if cfg.kda_gate_lower_bound is not None or cfg.use_attn_res else "kimi_linear"
     names = {"language_model.lm_head.weight"} if style == "k3" else {"lm_head.weight"}
@@ -247,7 +272,7 @@ def canonical_tensors(cfg: ModelConfig, *, style: str | None = None) -> list[tup
         experts.clear()
 
     for src in param_sources(cfg, names):
-        leaf = _get(abstract, src.path)
+        leaf = get_path(abstract, src.path)
         if src.transform == "experts":
             experts.append((src, leaf))
             continue

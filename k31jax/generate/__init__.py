@@ -8,7 +8,7 @@ streaming text and structured events, and a multi-turn chat session.
 - ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model.
 """
 
-from ._engine import (TRACE_COUNTS, Engine, GenerationResult, bucket_length, plan_prefill)
+from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
 from ._loading import DEFAULT_MODEL, LoadedModel, load_model
 from ._requests import Completion, Request, StreamDelta
 from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
@@ -16,6 +16,6 @@ from ._session import ChatSession, TurnResult
 
 __all__ = [
     "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "GenerationResult", "LoadedModel",
-    "Request", "SamplerState", "SamplingParams", "StreamDelta", "TRACE_COUNTS", "TurnResult",
+    "Request", "SamplerState", "SamplingParams", "StreamDelta", "TurnResult",
     "bucket_length", "load_model", "plan_prefill", "sample_logits", "sample_tokens",
 ]

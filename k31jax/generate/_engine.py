@@ -5,9 +5,9 @@
   no padding token changes another token's result.
 - **Buckets.** A bucket is a power of two (at least ``min_bucket``) up to ``prefill_chunk``;
   longer prompts are padded to a multiple of ``prefill_chunk`` and prefilled chunk by chunk,
-  continuing the cache. Every program is compiled once per (kind, batch, width) and cached
-  across engines of the same model structure: one prefill program per (batch, bucket), one
-  chunk program per batch, one decode step per batch, whatever the prompt or step.
+  continuing the cache. Every program is compiled once per (kind, batch, width) by each
+  engine: one prefill program per (batch, bucket), one chunk program per batch, one decode
+  step per batch, whatever the prompt or step (`Engine.compile_counts` counts them).
 - **Compilation** is explicit (``jax.jit(...).lower(...).compile()``), timed on its own and
   excluded from the prefill / decode timings.
 - **Sampling** runs inside the jitted step with per-row arrays (``_sampling``); the host only
@@ -15,7 +15,8 @@
   (``_requests``), and dispatches the next step before that work when no row's forced token
   depends on it.
 - The model is split once (``nnx.split``); jitted functions are pure in
-  ``(graphdef, state, cache, …)`` with the cache (and the sampler's ``seen`` mask) donated.
+  ``(graphdef, backends, state, cache, …)`` with the cache (and the sampler's ``seen`` mask)
+  donated. ``backends`` (`k31jax.ops.Backends`) picks the hot paths' implementations.
 """
 
 from __future__ import annotations
@@ -30,17 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..cache import Cache, init_cache
 from ..chat import ThinkingBudget
+from ..nn import Cache, init_cache
+from ..ops import Backends
 from ._requests import (Completion, Request, RowController, StreamDelta, normalize_requests)
 from ._sampling import SamplingParams, make_sampler_state, sample_tokens, sampler_arrays
-
-# Number of times each jitted function was traced (== compiled): tests use it to show that
-# compilation happens per (batch, bucket), never per token.
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-_COMPILED: dict[tuple, object] = {}  # (kind, graphdef, signature) -> jax.stages.Compiled
-_COMPILED_MAX = 64
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -58,42 +53,33 @@ def plan_prefill(n: int, chunk: int, minimum: int = 16) -> tuple[int, int]:
 
 
 # ---- jitted pure functions ------------------------------------------------------------
-def _last_logits(model, tokens, cache, valid):
-    """Logits of the last position only: the head runs on `[B, D]`, not `[B, T, V]` (the
-    full-sequence logits are dead code and removed by XLA)."""
-    _, cache, inter = model(tokens, cache, valid=valid, return_intermediates=True)
-    h = inter["final_hidden"][:, -1]
-    return jnp.dot(h, model.lm_head[...], preferred_element_type=jnp.float32), cache
-
-
-def _prefill_fn(graphdef, state, cache: Cache, tokens, valid):
-    TRACE_COUNTS["prefill"] += 1
-    return _last_logits(nnx.merge(graphdef, state), tokens, cache, valid)
+def _prefill_fn(graphdef, backends, state, cache: Cache, tokens, valid):
+    """Logits of the last position only: the head runs on `[B, D]`, not `[B, T, V]`."""
+    model = nnx.merge(graphdef, state)
+    hidden, cache, _ = model.hidden_states(tokens, cache, valid=valid, backends=backends)
+    return model.logits(hidden[:, -1:])[:, 0], cache
 
 
 def _first_fn(logits, arrays, force):
-    TRACE_COUNTS["first"] += 1
     return sample_tokens(logits, make_sampler_state(**arrays), force)
 
 
-def _decode_fn(graphdef, state, cache: Cache, token, sampler, force):
-    TRACE_COUNTS["decode"] += 1
-    logits, cache = nnx.merge(graphdef, state)(token[:, None], cache)
+def _decode_fn(graphdef, backends, state, cache: Cache, token, sampler, force):
+    logits, cache = nnx.merge(graphdef, state)(token[:, None], cache, backends=backends)
     token, sampler = sample_tokens(logits[:, 0], sampler, force)
     return token, cache, sampler
 
 
 def _init_cache_fn(config, batch: int, max_len: int) -> Cache:
-    TRACE_COUNTS["init_cache"] += 1
     return init_cache(config, batch, max_len)
 
 
 # kind -> (jitted function, number of leading static arguments)
 _JITS = {
     "init_cache": (jax.jit(_init_cache_fn, static_argnums=(0, 1, 2)), 3),
-    "prefill": (jax.jit(_prefill_fn, static_argnums=0, donate_argnums=(2,)), 1),
+    "prefill": (jax.jit(_prefill_fn, static_argnums=(0, 1), donate_argnums=(3,)), 2),
     "first": (jax.jit(_first_fn), 0),
-    "decode": (jax.jit(_decode_fn, static_argnums=0, donate_argnums=(2, 4)), 1),
+    "decode": (jax.jit(_decode_fn, static_argnums=(0, 1), donate_argnums=(3, 5)), 2),
 }
 
 
@@ -159,10 +145,13 @@ class Engine:
     pipeline       dispatch the next decode step before the host handles the current token
                    whenever no forced token depends on it (identical results; False for
                    debugging).
+    backends       the hot paths' implementations (`k31jax.ops.Backends`; default
+                   `Backends()`, whose kernel choice comes from `$K31JAX_KERNELS`).
     """
 
     def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
-                 min_bucket: int = 16, stop_ids=None, pipeline: bool = True):
+                 min_bucket: int = 16, stop_ids=None, pipeline: bool = True,
+                 backends: Backends | None = None):
         if prefill_chunk < 1 or min_bucket < 1:
             raise ValueError("prefill_chunk and min_bucket must be >= 1")
         self.config = model.config
@@ -171,8 +160,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.min_bucket = min_bucket
         self.pipeline = pipeline
+        self.backends = backends or Backends()
         self.graphdef, self.state = nnx.split(model)
-        self._state_sig = _signature(self.state)
         if stop_ids is not None:
             self.stop_ids = frozenset(stop_ids)
         elif tokenizer is not None:
@@ -180,7 +169,8 @@ class Engine:
         else:
             self.stop_ids = frozenset({self.config.eos_token_id} - {None})
         self._budgets: dict[tuple[str, int], ThinkingBudget] = {}
-        self._local: dict[tuple, object] = {}
+        self._programs: dict[tuple, object] = {}  # (kind, static args, signature) -> Compiled
+        self.compile_counts: collections.Counter[str] = collections.Counter()  # compiles per kind
         self.compile_seconds = 0.0  # total over this engine's life
         self._run_compile = 0.0
         self.last_result: GenerationResult | None = None
@@ -188,28 +178,21 @@ class Engine:
     # ---- compilation --------------------------------------------------------------------
     def _call(self, kind: str, *args):
         """Run jitted `kind`, compiling it first if this signature is new (timed apart).
-
-        Programs are cached per engine and, across engines, per (graphdef, signature): a
-        second engine over a model of the same structure reuses them."""
+        Programs that take the model (graphdef, backends, state, ...) are keyed without the
+        state: it is this engine's, fixed."""
         jitted, n_static = _JITS[kind]
         static, dyn = args[:n_static], args[n_static:]
-        uses_state = n_static == 1  # (graphdef, state, ...): the state signature is fixed
-        sig = _signature(dyn[1:] if uses_state else dyn)
-        key = (kind, static if not uses_state else None, sig)
-        fn = self._local.get(key)
+        uses_state = n_static == 2
+        key = (kind, None if uses_state else static, _signature(dyn[1:] if uses_state else dyn))
+        fn = self._programs.get(key)
         if fn is None:
-            gkey = (kind, static, self._state_sig if uses_state else None, sig)
-            fn = _COMPILED.get(gkey)
-            if fn is None:
-                t0 = time.perf_counter()
-                fn = jitted.lower(*args).compile()
-                dt = time.perf_counter() - t0
-                self.compile_seconds += dt
-                self._run_compile += dt
-                if len(_COMPILED) >= _COMPILED_MAX:
-                    _COMPILED.pop(next(iter(_COMPILED)))
-                _COMPILED[gkey] = fn
-            self._local[key] = fn
+            t0 = time.perf_counter()
+            fn = jitted.lower(*args).compile()
+            dt = time.perf_counter() - t0
+            self.compile_seconds += dt
+            self._run_compile += dt
+            self.compile_counts[kind] += 1
+            self._programs[key] = fn
         return fn(*dyn)
 
     def warmup(self, batch: int = 1, prompt_len: int = 1) -> float:
@@ -281,7 +264,7 @@ class Engine:
             valid[i, length - len(r.prompt):] = True
         cache = self.init_cache(b)
         for c in range(0, length, width):
-            logits, cache = self._call("prefill", self.graphdef, self.state, cache,
+            logits, cache = self._call("prefill", self.graphdef, self.backends, self.state, cache,
                                        jnp.asarray(tokens[:, c:c + width]),
                                        jnp.asarray(valid[:, c:c + width]))
         arrays = sampler_arrays([r.params for r in reqs], [r.prompt for r in reqs], vocab)
@@ -299,7 +282,7 @@ class Engine:
             if self.pipeline and n_steps + 1 < steps:
                 ahead = [row.predict_force_after_next() for row in rows]
                 if all(a is not None for a in ahead):
-                    pending = self._call("decode", self.graphdef, self.state, cache, token,
+                    pending = self._call("decode", self.graphdef, self.backends, self.state, cache, token,
                                          sampler, np.asarray(ahead, np.int32))
             for row in live:
                 delta = row.push(int(host[row.index]))
@@ -309,7 +292,7 @@ class Engine:
                 break
             if pending is None:
                 force = np.asarray([row.force() for row in rows], np.int32)
-                pending = self._call("decode", self.graphdef, self.state, cache, token, sampler,
+                pending = self._call("decode", self.graphdef, self.backends, self.state, cache, token, sampler,
                                      force)
             token, cache, sampler = pending
             host = np.asarray(token)

@@ -14,6 +14,14 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax.numpy as jnp
+from flax import nnx
+
+from ..chat import ByteTokenizer, KimiTokenizer
+from ..ckpt import load_checkpoint, load_hf_weights
+from ..config import ModelConfig
+from ..nn import K31ForCausalLM
+
 DEFAULT_MODEL = "tiny"
 _BYTE_VOCAB_MAX = 4096  # a byte tokenizer only fits byte-vocabulary models
 
@@ -33,15 +41,11 @@ def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _load_orbax(path: Path, dtype):
-    from ..ckpt import load_checkpoint
-
     return load_checkpoint(path) if dtype is None else load_checkpoint(path, dtype=dtype)
 
 
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
     """`KimiTokenizer` from `path/tiktoken.model`, else a `ByteTokenizer` (byte vocabularies)."""
-    from ..chat import ByteTokenizer, KimiTokenizer
-
     if path is not None and (Path(path) / "tiktoken.model").exists():
         return KimiTokenizer.from_dir(path)
     if vocab_size > _BYTE_VOCAB_MAX:
@@ -56,11 +60,6 @@ def load_model(ckpt: str | os.PathLike | None = None, *, config: str = DEFAULT_M
     """Load `ckpt` (safetensors or Orbax folder), or build the preset `config` with seeded
     random weights (then `banner` says so). The tokenizer comes from `tokenizer` (a folder
     with `tiktoken.model`), else from `ckpt`."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from .. import K31ForCausalLM, ModelConfig, load_hf_weights
-
     if ckpt is not None:
         path = Path(ckpt)
         if not path.is_dir():

@@ -3,7 +3,11 @@
 The jitted step only samples; everything that needs text or a state machine runs here, on the
 host, once per generated token: stop ids, stop strings (with hold-back of a possible partial
 match), the thinking budget (chat_format.md §4, ``k31jax.chat.ThinkingBudget``), incremental
-UTF-8 decoding and the streaming K3 parser.
+UTF-8 decoding and the streaming K3 parser. ``Request.markup`` says where output structure
+comes from: "text" (the spec, chat_format.md §3: markers are parsed from the decoded text,
+since the model sometimes spells them with ordinary BPE tokens) or "ids" (only sampled special
+ids are markup, from ``StreamDecoder.step_pieces``: a model steered to write ``<|open|>`` with
+ordinary tokens has written text, so it cannot forge a tool call).
 """
 
 from __future__ import annotations
@@ -11,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..chat import K3StreamParser, ParsedMessage, ParseEvent, ThinkingBudget, ThinkPhase
-from ..chat._k2 import K2StreamParser
-from ..chat._k3_output import k3_reasoning_ended
+from ..chat import K2StreamParser, K3StreamParser, ParsedMessage, ParseEvent, Segment, ThinkingBudget, ThinkPhase
+from ..chat._k3_output import k3_last_channel
 from ._sampling import SamplingParams
 
 FINISH_STOP = "stop"  # a stop id or stop string ended the row
@@ -33,6 +36,7 @@ class Request:
     thinking_budget  hard cap on this turn's thinking tokens (None = off); needs a tokenizer.
     parse            also stream structured events (reasoning / content / tool calls).
     chat_format      "k3" or "k2": grammar of the parser and the budget's markers.
+    markup           "text" (default, the spec's rule) or "ids": see the module docstring.
     """
 
     prompt: Sequence[int]
@@ -43,6 +47,7 @@ class Request:
     thinking_budget: int | None = None
     parse: bool = False
     chat_format: str = "k3"
+    markup: str = "text"
 
     def __post_init__(self):
         if len(self.prompt) == 0:
@@ -51,6 +56,8 @@ class Request:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
         if self.chat_format not in ("k3", "k2"):
             raise ValueError(f"chat_format={self.chat_format!r} (must be 'k3' or 'k2')")
+        if self.markup not in ("text", "ids"):
+            raise ValueError(f"markup={self.markup!r} (must be 'text' or 'ids')")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
@@ -107,11 +114,18 @@ class RowController:
             raise ValueError("stop strings, parse and thinking_budget need an engine tokenizer")
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self._text: list[str] = []
-        self._pending = ""
+        # Decoded pieces not yet given to the parser (held for a possible stop string), and how
+        # many of their characters were already shown: a stop string may cut the visible text
+        # inside a special token's name, but the parser only ever gets whole special pieces.
+        self._pending: list[Segment] = []
+        self._pending_shown = 0
         self._max_stop = max((len(s) for s in req.stop), default=0)
         self.parser = None
         if req.parse:
-            thinking = _prompt_opens_thinking(tokenizer.decode(req.prompt), req.chat_format)
+            prompt_ids = req.prompt
+            if req.markup == "text":  # markers spelled with ordinary tokens count too
+                prompt_ids = tokenizer.encode(tokenizer.decode(req.prompt), allow_special=True)
+            thinking = _prompt_opens_thinking(tokenizer.decode_segments(prompt_ids), req.chat_format)
             cls = K3StreamParser if req.chat_format == "k3" else K2StreamParser
             self.parser = cls(thinking=thinking)
         self.budget = budget.start(req.prompt) if budget is not None else None
@@ -148,68 +162,79 @@ class RowController:
                 self.forced_at = len(self.tokens)
         events: list[ParseEvent] = []
         if token in self.stop_ids:
-            text = self._flush_text()
-            if self.parser is not None:
-                events += self._parse(text) + self.parser.feed(self._decoder.step(token))
+            text, pieces = self._flush_text()
+            if self.parser is not None:  # the stop id's text is not shown, but it ends the parse
+                events += self._parse(pieces + self._decoder.step_pieces(token))
                 events += self.parser.finish()
             elif self._decoder is not None:
                 self._decoder.step(token)
             return self._finish(FINISH_STOP, token, text, events)
-        text, hit = self._add_text(token)
+        text, pieces, hit = self._add_text(token)
         if hit is not None:
-            events += self._parse(text)
+            events += self._parse(pieces)
             if self.parser is not None:
                 events += self.parser.finish()
             return self._finish(FINISH_STOP, hit, text, events)
         if len(self.tokens) >= self.req.max_new_tokens:
-            text += self._flush_text()
-            events += self._parse(text)
+            tail_text, tail = self._flush_text()
+            text, pieces = text + tail_text, pieces + tail
+            events += self._parse(pieces)
             if self.parser is not None:
                 events += self.parser.finish()
             return self._finish(FINISH_LENGTH, None, text, events)
-        events += self._parse(text)
+        events += self._parse(pieces)
         return StreamDelta(self.index, (token,), text, tuple(events))
 
-    def _parse(self, text: str) -> list[ParseEvent]:
-        return self.parser.feed(text) if self.parser is not None and text else []
+    def _parse(self, pieces: list[Segment]) -> list[ParseEvent]:
+        if self.parser is None or not pieces:
+            return []
+        if self.req.markup == "text":
+            return self.parser.feed(_text_of(pieces))
+        return self.parser.feed_segments(pieces)
 
     def _finish(self, reason, match, text, events) -> StreamDelta:
         self.done, self.finish_reason, self.stop_match = True, reason, match
         return StreamDelta(self.index, (self.tokens[-1],), text, tuple(events), reason)
 
-    def _add_text(self, token: int) -> tuple[str, str | None]:
-        """Decode one token; returns (committed text, matched stop string or None)."""
+    def _add_text(self, token: int) -> tuple[str, list[Segment], str | None]:
+        """Decode one token; returns (text to show, pieces for the parser, matched stop string
+        or None). The text is cut exactly before a stop string; the parser gets the pieces
+        before the cut, less a special token's name that the cut falls inside."""
         if self._decoder is None:
-            return "", None
-        buf = self._pending + self._decoder.step(token)
+            return "", [], None
+        pieces = self._pending + self._decoder.step_pieces(token)
+        buf, shown = _text_of(pieces), self._pending_shown
         if not self.req.stop:
-            self._text.append(buf)
-            self._pending = ""
-            return buf, None
-        hits = [(buf.find(s), s) for s in self.req.stop]
+            self._pending, self._pending_shown = [], 0
+            return self._show(buf[shown:]), pieces, None
+        hits = [(buf.find(s, shown), s) for s in self.req.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
             i, s = min(hits)
-            self._text.append(buf[:i])
-            self._pending = ""
-            return buf[:i], s
-        hold = 0  # longest suffix of buf that is a proper prefix of a stop string
-        for k in range(min(len(buf), self._max_stop - 1), 0, -1):
+            self._pending, self._pending_shown = [], 0
+            return self._show(buf[shown:i]), _split_pieces(pieces, i)[0], s
+        hold = 0  # longest unshown suffix of buf that is a proper prefix of a stop string
+        for k in range(min(len(buf) - shown, self._max_stop - 1), 0, -1):
             if any(s.startswith(buf[-k:]) for s in self.req.stop):
                 hold = k
                 break
-        commit = buf[: len(buf) - hold]
-        self._pending = buf[len(buf) - hold :]
-        self._text.append(commit)
-        return commit, None
+        cut = len(buf) - hold
+        commit, self._pending = _split_pieces(pieces, cut)
+        self._pending_shown = cut - len(_text_of(commit))
+        return self._show(buf[shown:cut]), commit, None
 
-    def _flush_text(self) -> str:
+    def _flush_text(self) -> tuple[str, list[Segment]]:
+        """Release everything held back: (text to show, pieces for the parser)."""
         if self._decoder is None:
-            return ""
-        tail = self._pending + self._decoder.flush()
-        self._pending = ""
-        self._text.append(tail)
-        return tail
+            return "", []
+        pieces = self._pending + [Segment(self._decoder.flush(), False)]
+        text = _text_of(pieces)[self._pending_shown :]
+        self._pending, self._pending_shown = [], 0
+        return self._show(text), pieces
+
+    def _show(self, text: str) -> str:
+        self._text.append(text)
+        return text
 
     def completion(self, prompt_tokens: int) -> Completion:
         return Completion(
@@ -221,12 +246,32 @@ class RowController:
         )
 
 
-def _prompt_opens_thinking(prompt_text: str, chat_format: str) -> bool:
-    """Whether generation starts inside the think channel (the prompt's last channel marker
-    is an open-think)."""
+def _text_of(pieces: Sequence[Segment]) -> str:
+    return "".join(p.text for p in pieces)
+
+
+def _split_pieces(pieces: Sequence[Segment], at: int) -> tuple[list[Segment], list[Segment]]:
+    """Split decoded pieces at character ``at``. A special token's name is never split: one
+    that ``at`` falls inside goes wholly to the second part."""
+    head: list[Segment] = []
+    for k, p in enumerate(pieces):
+        if at >= len(p.text):
+            head.append(p)
+            at -= len(p.text)
+            continue
+        if at == 0 or p.special:
+            return head, list(pieces[k:])
+        return head + [Segment(p.text[:at], False)], [Segment(p.text[at:], False), *pieces[k + 1 :]]
+    return head, []
+
+
+def _prompt_opens_thinking(prompt: Sequence[Segment], chat_format: str) -> bool:
+    """Whether generation starts inside the think channel: the prompt's last channel marker
+    (from special ids only) is an open-think."""
     if chat_format == "k2":
-        return prompt_text.rstrip().endswith("<think>")
-    return "<|open|>think<|sep|>" in prompt_text and not k3_reasoning_ended(prompt_text)
+        marks = [s for s in prompt if s.special or s.text.strip()]
+        return bool(marks) and marks[-1] == Segment("<think>", True)
+    return k3_last_channel(prompt) == "open_think"
 
 
 def normalize_requests(prompts, max_new_tokens, params, stop_ids, stop, thinking_budget,
@@ -248,6 +293,3 @@ def normalize_requests(prompts, max_new_tokens, params, stop_ids, stop, thinking
                                thinking_budget, parse, chat_format))
     return out
 
-
-def prompt_lengths(requests: Sequence[Request]) -> list[int]:
-    return [len(r.prompt) for r in requests]

@@ -1,19 +1,19 @@
-"""GPU Pallas kernels for the hot paths, reached through the ops' `impl=` seam.
+"""GPU Pallas kernels for the hot paths, reached through the ops' one `impl=` seam
+(`k31jax.ops.resolve_impl`; the ops give each kernel its XLA path's gradient).
 
 - `kda_chunk`: KDA chunked forward (intra-chunk UT solve + inter-chunk state pass) and the
-  fused single-token decode step (`ops.kda_chunked`, `ops.kda_recurrent`);
+  fused single-token decode step (kernel paths of `ops.kda_chunked`, `ops.kda_recurrent`);
 - `sparse_mla`: sparse gated-MLA attention over selected latent rows (decode with split-K,
   prefill with a per-query selection) and the lightning-indexer decode scores + top-k
   (`ops.mla_attention_sparse`, `ops.select_topk`);
 - `mxfp4_matmul`: grouped expert matmul with packed MXFP4 weights dequantised in-kernel
   (down, and fused gate/up) (`ops.grouped_matmul`, `ops.routed_experts`).
 
-Each package has `ref.py` (the XLA op it must match), `pallas_*.py` (the kernels) and `ops.py`
-(the kernel path of the op: padding, launch, unpadding; `impl` is "pallas" or "interpret").
-The ops choose between their XLA path and these (`k31jax.ops._impl.resolve_impl`: the kernel
-on a GPU, XLA elsewhere) and give the kernels the XLA path's gradient.
+Each package has `pallas_*.py` (the kernels) and `ops.py` (the kernel path of the op:
+padding, launch, unpadding; `impl` is "pallas" or "interpret"). This layer sits below
+`k31jax.ops` and never imports it: the XLA paths the kernels are tested against are the ops.
 """
 
-from ..ops._impl import IMPLS, resolve_impl
+from . import kda_chunk, mxfp4_matmul, sparse_mla
 
-__all__ = ["IMPLS", "resolve_impl"]
+__all__ = ["kda_chunk", "mxfp4_matmul", "sparse_mla"]

@@ -77,7 +77,7 @@ def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132):
     and non-power-of-two tiles) without compiling or running anything. jax >= 0.12 API; raises
     NotImplementedError where the installed jax lacks it.
     """
-    try:
+    try:  # jax-internal API (guarded: absent before jax 0.12), needed only by this helper
         from jax._src import mesh as mesh_lib
 
         dev = mesh_lib.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")

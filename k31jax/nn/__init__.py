@@ -1,10 +1,16 @@
-"""NNX modules: thin wrappers that hold parameters and call `k31jax.ops`."""
+"""NNX modules: thin wrappers that hold parameters and call `k31jax.ops`, the model, its
+cache pytree, and counts computed on the abstract model (`abstract_model`: nothing allocated)."""
 
+from ._cache import CACHE_AXES, Cache, constrain_cache, init_cache
 from ._experts_format import dequantize_experts, quantize_experts
 from ._ffn import DenseMLP, LatentMoE, PackedExperts
 from ._kda_layer import KDAMixer
 from ._mla_layer import Indexer, MLAMixer
-from ._model import K31ForCausalLM, LayerNorms
+from ._model import INTERMEDIATES, REMAT_POLICIES, K31ForCausalLM, LayerNorms, abstract_model
+from ._sizes import ParamCount, count_params
 
-__all__ = ["DenseMLP", "Indexer", "K31ForCausalLM", "KDAMixer", "LatentMoE", "LayerNorms", "MLAMixer",
-           "PackedExperts", "dequantize_experts", "quantize_experts"]
+__all__ = [
+    "CACHE_AXES", "Cache", "DenseMLP", "INTERMEDIATES", "Indexer", "K31ForCausalLM", "KDAMixer", "LatentMoE",
+    "LayerNorms", "MLAMixer", "PackedExperts", "ParamCount", "REMAT_POLICIES", "abstract_model", "constrain_cache",
+    "count_params", "dequantize_experts", "init_cache", "quantize_experts",
+]

@@ -6,14 +6,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..quant import mxfp4_dequantize_packed, mxfp4_quantize_packed
-from ._model import K31ForCausalLM
+from ._model import K31ForCausalLM, abstract_model
 
 _ROUTED = ("w_gate", "w_up", "w_down")
 
 
 def _rebuild(model: K31ForCausalLM, cfg, convert) -> K31ForCausalLM:
-    abstract = nnx.eval_shape(lambda: K31ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     if "moe" in pure:
         pure["moe"] = dict(pure["moe"], **{w: convert(pure["moe"][w]) for w in _ROUTED})

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..ops import _moe, _norms, _router
-from ..ops._activations import glu
+from ..ops import (Backends, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
+                   router_scores)
+from ..quant import mxfp4_quantize_packed
 from ._param import constant, normal, param
 
 
@@ -19,8 +21,8 @@ class PackedExperts(nnx.Module):
         self.packed = param(packed, axes)
         self.scale = param(scale, axes)
 
-    def weight(self) -> _moe.MXFP4Weight:
-        return _moe.MXFP4Weight(self.packed[...], self.scale[...])
+    def weight(self) -> MXFP4Weight:
+        return MXFP4Weight(self.packed[...], self.scale[...])
 
 
 def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
@@ -28,8 +30,6 @@ def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
     w = normal(rngs, shape, cfg.initializer_range, jnp.float32, axes)
     if cfg.expert_weights == "bf16":
         return param(w[...].astype(jnp.dtype(cfg.dtype)), axes)
-    from ..quant import mxfp4_quantize_packed
-
     packed, scale = mxfp4_quantize_packed(w[...])
     return PackedExperts(packed, scale, axes)
 
@@ -40,13 +40,9 @@ def _weight_value(w):
 
 def _ep_plan(ep: str, n_tokens: int, weights):
     """The expert-parallel plan when a mesh is active and its rules split the experts."""
-    import jax
-
-    if jax.sharding.get_abstract_mesh().empty:
+    if ep == "off" or jax.sharding.get_abstract_mesh().empty:
         return None
-    from ..sharding._ep import make_plan
-
-    return make_plan(n_tokens, weights, exchange=ep)
+    return make_ep_plan(n_tokens, weights, exchange=ep)
 
 
 class DenseMLP(nnx.Module):
@@ -90,23 +86,27 @@ class LatentMoE(nnx.Module):
 
     def route(self, x):
         c = self.cfg
-        return _router.route(
+        return route(
             x, self.gate[...], self.gate_bias[...], c.num_experts_per_token,
             renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor,
             activation=c.moe_router_activation_func, n_group=c.num_expert_group,
             topk_group=c.topk_group)
 
-    def __call__(self, x, *, impl="auto", ep="auto", kernels=None):
+    def scores(self, x):
+        """x `[B, T, D]` -> the router's unbiased fp32 scores for every expert `[B, T, E]`
+        (the balance loss needs all of them, not only the chosen ones)."""
+        b, t, d = x.shape
+        return router_scores(x.reshape(b * t, d), self.gate[...], self.cfg.moe_router_activation_func).reshape(b, t, -1)
+
+    def __call__(self, x, *, backends: Backends | None = None):
         """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights).
 
-        impl: the local grouped matmul ("auto" | "ragged" | "blocked" | "gather" | "pallas").
-        kernels: the ops' `impl` seam that "auto" consults for packed MXFP4 experts (None: the
-        Pallas grouped matmul on a GPU).
-        ep: expert parallelism under an active mesh whose rules split the experts:
-        "auto" (the platform's exchange), "ragged" | "dense" | "allgather" (a given exchange,
-        `k31jax.sharding.EXCHANGES`), or "off" (leave the experts to the partitioner). Without
-        a mesh, or with unsplit experts, it is the single-device path whatever `ep` says.
+        backends (default `Backends()`): `moe` is the local grouped-matmul form, `kernels` the
+        seam its "auto" consults for packed MXFP4 experts, `ep` the expert parallelism under an
+        active mesh whose rules split the experts (without one, or with unsplit experts, this
+        is the single-device path whatever `ep` says).
         """
+        backends = backends or Backends()
         c = self.cfg
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
@@ -116,17 +116,15 @@ class LatentMoE(nnx.Module):
                       beta_up=c.activation_situ_linear_beta,
                       weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8")
         ws = tuple(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down))
-        plan = _ep_plan(ep, b * t, ws) if ep != "off" else None
+        plan = _ep_plan(backends.ep, b * t, ws)
         if plan is None:
-            u = _moe.routed_experts(u_in, idx, weights, *ws, impl=impl, kernels=kernels, **kwargs)
+            u = routed_experts(u_in, idx, weights, *ws, impl=backends.moe, kernels=backends.kernels, **kwargs)
         else:
-            from ..sharding._ep import ep_routed_experts
-
             u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, **kwargs)
         u = u.astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:
-                u = _norms.rms_norm(u, self.latent_norm[...], c.rms_norm_eps)
+                u = rms_norm(u, self.latent_norm[...], c.rms_norm_eps)
             u = u @ self.latent_up[...]
         if self.shared is not None:
             u = u + self.shared(flat)

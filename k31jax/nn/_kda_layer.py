@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..ops import _kda, _norms
+from ..ops import Backends, _kda, _norms
 from ._param import constant, dt_bias_init, normal, param, uniform
 
 
@@ -52,15 +52,25 @@ class KDAMixer(nnx.Module):
         self.o_norm = constant((dk,), 1.0, jnp.float32, ("norm",))
         self.o_proj = normal(rngs, (c, d), std, dt, ("heads", "embed"))
 
-    def __call__(self, x, state=None, conv=None, valid=None, *, kernels=None):
+    def __call__(self, x, state=None, conv=None, valid=None, *, backends: Backends | None = None,
+                 segment_ids=None):
         """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, state, conv).
 
         state `[B, H, dk, dv]` fp32 and conv `[B, 3, C, K-1]` (pre-conv q/k/v inputs, oldest
         first) continue a sequence; None starts one. `valid` `[B, T]` marks real tokens:
         padded positions become identity steps (no decay, no write, zero conv input).
-        T == 1 takes the recurrent step, longer inputs the chunked form. kernels: the ops'
-        `impl` seam (None: the Pallas kernels on a GPU, XLA elsewhere).
+        T == 1 takes the recurrent step, longer inputs the chunked form. backends: `kernels` is
+        the ops' seam (default `Backends()`: the Pallas kernels on a GPU, XLA elsewhere).
+        segment_ids `[B, T]` int (packed training rows: 1, 2, ... per contiguous document, 0 =
+        padding): the state and conv windows reset at each document start, so every document
+        computes exactly what it would alone; padding outputs are zero. Fresh rows only (no
+        state / conv); the returned state and conv are the row's last document's. Runs the XLA
+        path of the recurrence (the kernel takes no segments).
         """
+        if segment_ids is not None and (state is not None or conv is not None):
+            raise ValueError("KDAMixer: segment_ids (packed rows) start fresh sequences; it cannot "
+                             "be combined with a state / conv cache")
+        kernels = (backends or Backends()).kernels
         b, t, _ = x.shape
         h, dk = self.num_heads, self.head_dim
         if valid is not None:
@@ -69,7 +79,7 @@ class KDAMixer(nnx.Module):
         branches, new_hist = [], []
         for proj, w_conv, hst in zip((self.q_proj, self.k_proj, self.v_proj),
                                      (self.q_conv, self.k_conv, self.v_conv), hist):
-            y, hy = _kda.short_conv(x @ proj[...], w_conv[...], hst)
+            y, hy = _kda.short_conv(x @ proj[...], w_conv[...], hst, segment_ids=segment_ids)
             branches.append(jax.nn.silu(y).reshape(b, t, h, dk))
             new_hist.append(jnp.swapaxes(hy, 1, 2))
         q, k, v = branches
@@ -84,7 +94,7 @@ class KDAMixer(nnx.Module):
             o, state = _kda.kda_recurrent(q, k, v, g, beta, state, impl=kernels)
         else:
             o, state = _kda.kda_chunked(q, k, v, g, beta, state, self.chunk_size, impl=kernels,
-                                        lower_bound=self.lower_bound)
+                                        lower_bound=self.lower_bound, segment_ids=segment_ids)
         gate_in = x @ self.g_proj[...] if self.full_rank_gate else (x @ self.g_a_proj[...]) @ self.g_b_proj[...]
         gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..ops import _indexer, _mla, _norms
+from ..ops import Backends, _indexer, _mla, _norms
 from ._param import constant, normal
 
 _LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
@@ -81,15 +81,24 @@ class MLAMixer(nnx.Module):
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
 
     def __call__(self, x, c_kv_cache=None, k_pe_cache=None, index_cache=None, *, pos=0,
-                 key_valid=None, sparse_impl="auto", kernels=None):
+                 key_valid=None, backends: Backends | None = None, segment_ids=None):
         """x `[B, T, D]` -> (y, c_kv_cache, k_pe_cache, index_cache).
 
         Without caches the T tokens attend among themselves. With caches (`[B, S, ·]`), the new
         latents are written at `pos` and the queries (absolute positions pos..pos+T-1) attend
         over the whole buffer; `key_valid [B, S]` marks written, non-padding slots (it must
-        already include the new tokens). sparse_impl: "mask" | "gather" | "auto". kernels: the
-        ops' `impl` seam for the sparse attention and the top-k (None: Pallas on a GPU).
+        already include the new tokens). backends: `sparse` picks the selected attention's form,
+        `kernels` the ops' seam for the sparse attention and the top-k (default `Backends()`).
+        segment_ids `[B, T]` int (packed training rows: 1, 2, ... per contiguous document, 0 =
+        padding; no caches): a query attends, and the indexer selects, only within its own
+        document, so every document computes exactly what it would alone; padding outputs are
+        zero before o_proj.
         """
+        if segment_ids is not None and c_kv_cache is not None:
+            raise ValueError("MLAMixer: segment_ids (packed rows) is for the no-cache path; it "
+                             "cannot be combined with c_kv / k_pe / index caches")
+        backends = backends or Backends()
+        sparse_impl = backends.sparse
         b, t, _ = x.shape
         h, dn, dr = self.num_heads, self.dn, self.dr
         c_q, c_kv, k_pe = self.latents(x)
@@ -116,20 +125,23 @@ class MLAMixer(nnx.Module):
             qi, wi = self.indexer.queries(c_q, x)
             key_block = self.index_key_block if t > 1 and s_len > self.index_key_block else None
             sel_idx, sel_valid = _indexer.select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
-                                                      key_valid, self.indexer.top_k, key_block, impl=kernels)
+                                                      key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
+                                                      segment_ids=segment_ids)
             if sparse_impl == "auto":
                 sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_impl == "gather":
             o = _mla.mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
-                                          sel_valid, self.scale, impl=kernels)
+                                          sel_valid, self.scale, impl=backends.kernels, segment_ids=segment_ids)
         else:
             if select:
                 mask = mask & _indexer.selection_mask(sel_idx, sel_valid, s_len)
             if t == 1:  # decode: absorbed (MQA) form over the latent cache
-                o = _mla.mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale)
+                o = _mla.mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale,
+                                                segment_ids=segment_ids)
             else:  # prefill: naive (MHA) form with per-head keys/values expanded from the latent
                 kv = (keys_ckv @ self.kv_b_proj[...]).reshape(b, s_len, h, dn + self.dv)
-                o = _mla.mla_attention(q_nope, q_pe, kv[..., :dn], keys_kpe, kv[..., dn:], mask, self.scale)
+                o = _mla.mla_attention(q_nope, q_pe, kv[..., :dn], keys_kpe, kv[..., dn:], mask, self.scale,
+                                       segment_ids=segment_ids)
         o = o.reshape(b, t, h * self.dv)
         if self.use_gate:
             o = o * jax.nn.sigmoid((x @ self.g_proj[...]).astype(jnp.float32))

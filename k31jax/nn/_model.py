@@ -5,10 +5,17 @@ stack is run by one `lax.scan` over all layers, switching between the KDA and ML
 (and the dense and MoE FFNs) with `lax.cond` on a static schedule, so compile time does not
 grow with depth. `scan_layers=False` unrolls the same step in Python (for tests and
 debugging); both give identical numbers.
+
+One layer, top to bottom (`_layer_step`): AttnRes mix of the block snapshots and the partial
+sum (`_attn_res_input`), the token mixer (`_mixer_step`: KDA or MLA), the FFN (`_ffn_step`:
+dense or MoE), each added to the running partial sum. The step functions are module-level;
+what they share per call (stacked modules, backends, cache position, masks) is a `_Call`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,12 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..cache import Cache, init_cache
 from ..config import ModelConfig
-from ..ops import _norms
-from ..ops._attn_res import attn_res_mix
-from ..sharding._rules import constrain
-from ..sharding._state import constrain_cache
+from ..ops import Backends, attn_res_mix, rms_norm
+from ..sharding import constrain
+from ._cache import Cache, constrain_cache, init_cache
 from ._ffn import DenseMLP, LatentMoE
 from ._kda_layer import KDAMixer
 from ._mla_layer import MLAMixer
@@ -78,11 +83,164 @@ def _schedule(cfg: ModelConfig) -> dict[str, np.ndarray]:
     )
 
 
+REMAT_POLICIES = ("none", "full", "dots")
+INTERMEDIATES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "prefix", "router_idx", "router_weights",
+                 "router_scores")
+
+
+def _remat(step, policy: str):
+    """The layer step under a rematerialisation policy: "none" (save every activation),
+    "full" (save nothing: recompute the layer in the backward pass), "dots" (save only the
+    matmul outputs without batch dimensions, recompute the elementwise work)."""
+    if policy == "none":
+        return step
+    if policy == "full":
+        return jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+    if policy == "dots":
+        return jax.checkpoint(step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    raise ValueError(f"remat={policy!r}: expected one of {REMAT_POLICIES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What every layer step of one forward call shares."""
+
+    cfg: ModelConfig
+    backends: Backends
+    kda: _Split | None
+    mla: _Split | None
+    dense: _Split | None
+    moe: _Split | None
+    valid: jax.Array | None          # [B, T] real (non-padding) new tokens
+    segment_ids: jax.Array | None    # [B, T] packed documents (training; no cache)
+    key_valid: jax.Array             # [B, S] valid key slots (cache buffer, or the T tokens)
+    pos: jax.Array | int             # write position of the first new token
+    collect: tuple[str, ...]         # per-layer intermediates to return
+
+
+def _kda_step(call: _Call, slot, x, cache: Cache | None):
+    state = None if cache is None else cache.kda_state[slot]
+    conv = None if cache is None else cache.kda_conv[slot]
+    y, state, conv = call.kda[slot](x, state, conv, call.valid, backends=call.backends,
+                                    segment_ids=call.segment_ids)
+    if cache is not None:
+        cache = cache.replace(kda_state=cache.kda_state.at[slot].set(state),
+                              kda_conv=cache.kda_conv.at[slot].set(conv))
+    return y, cache
+
+
+def _mla_step(call: _Call, slot, x, cache: Cache | None):
+    if cache is None:
+        y, *_ = call.mla[slot](x, key_valid=call.key_valid, backends=call.backends, segment_ids=call.segment_ids)
+        return y, cache
+    index_keys = None if cache.index_keys is None else cache.index_keys[slot]
+    y, ckv, kpe, index_keys = call.mla[slot](x, cache.mla_ckv[slot], cache.mla_kpe[slot], index_keys, pos=call.pos,
+                                             key_valid=call.key_valid, backends=call.backends)
+    cache = cache.replace(mla_ckv=cache.mla_ckv.at[slot].set(ckv), mla_kpe=cache.mla_kpe.at[slot].set(kpe),
+                          index_keys=None if index_keys is None else cache.index_keys.at[slot].set(index_keys))
+    return y, cache
+
+
+def _mixer_step(call: _Call, is_mla, slot, x, cache):
+    """The layer's token mixer: KDA or MLA, by the static schedule (a `lax.cond` when both
+    kinds exist and the layer index is traced)."""
+    if call.kda is None or call.mla is None or isinstance(is_mla, (bool, np.bool_)):
+        use_mla = call.kda is None or (call.mla is not None and is_mla)
+        return (_mla_step if use_mla else _kda_step)(call, slot, x, cache)
+    return jax.lax.cond(is_mla, functools.partial(_mla_step, call), functools.partial(_kda_step, call),
+                        slot, x, cache)
+
+
+def _dense_step(call: _Call, slot, x):
+    b, t, _ = x.shape
+    k = call.cfg.num_experts_per_token if call.cfg.moe_layers else 1
+    route = dict(router_idx=jnp.zeros((b, t, k), jnp.int32), router_weights=jnp.zeros((b, t, k), jnp.float32))
+    if "router_scores" in call.collect:
+        route["router_scores"] = jnp.zeros((b, t, max(call.cfg.num_experts, 1)), jnp.float32)
+    return call.dense[slot](x), route
+
+
+def _moe_step(call: _Call, slot, x):
+    moe = call.moe[slot]
+    y, idx, weights = moe(x, backends=call.backends)
+    route = dict(router_idx=idx, router_weights=weights)
+    if "router_scores" in call.collect:
+        route["router_scores"] = moe.scores(x)
+    return y, route
+
+
+def _ffn_step(call: _Call, is_moe, slot, x):
+    """The layer's FFN: dense or LatentMoE -> (y, routing: router_idx, router_weights and,
+    when collected, router_scores; zeros for a dense layer)."""
+    if call.dense is None or call.moe is None or isinstance(is_moe, (bool, np.bool_)):
+        use_moe = call.dense is None or (call.moe is not None and is_moe)
+        return (_moe_step if use_moe else _dense_step)(call, slot, x)
+    return jax.lax.cond(is_moe, functools.partial(_moe_step, call), functools.partial(_dense_step, call), slot, x)
+
+
+def _attn_res_input(cfg: ModelConfig, norm, proj, blocks, n_blocks, prefix):
+    """A sub-layer's input: the AttnRes mix of the block snapshots and the partial sum, or the
+    plain residual stream without AttnRes."""
+    if not cfg.use_attn_res:
+        return prefix
+    return attn_res_mix(blocks, n_blocks, prefix, norm, proj, cfg.rms_norm_eps)
+
+
+def _snapshot(cfg: ModelConfig, layer_index, blocks, n_blocks, prefix):
+    """At a block boundary (`layer % block_size == 0`) push the partial sum as a frozen block
+    snapshot and restart the sum (a traced select over a fixed buffer, so it scans)."""
+    snap = jnp.asarray(layer_index % cfg.attn_res_block_size == 0)
+    pushed = jax.lax.dynamic_update_slice_in_dim(blocks, prefix[:, :, None], n_blocks, axis=2)
+    blocks = jnp.where(snap, pushed, blocks)
+    return blocks, n_blocks + snap.astype(jnp.int32), jnp.where(snap, jnp.zeros_like(prefix), prefix)
+
+
+def _layer_step(call: _Call, carry, row):
+    """One decoder layer over the carry (partial sum, block snapshots, their count, cache)."""
+    cfg = call.cfg
+    act = jnp.dtype(cfg.dtype)
+    prefix, blocks, n_blocks, cache = carry
+    norms = row["norms"]
+    attn_in = _attn_res_input(cfg, norms.get("attn_res_norm"), norms.get("attn_res_proj"), blocks, n_blocks, prefix)
+    if cfg.use_attn_res:
+        blocks, n_blocks, prefix = _snapshot(cfg, row["index"], blocks, n_blocks, prefix)
+    attn_out, cache = _mixer_step(call, row["is_mla"], row["mixer_slot"],
+                                  rms_norm(attn_in, norms["input_norm"], cfg.rms_norm_eps), cache)
+    prefix = constrain(prefix + attn_out.astype(act), "batch", "seq", "act_embed")
+    cache = constrain_cache(cache)
+    mlp_in = _attn_res_input(cfg, norms.get("mlp_res_norm"), norms.get("mlp_res_proj"), blocks, n_blocks, prefix)
+    mlp_out, route = _ffn_step(call, row["is_moe"], row["ffn_slot"], rms_norm(mlp_in, norms["post_norm"], cfg.rms_norm_eps))
+    prefix = constrain(prefix + mlp_out.astype(act), "batch", "seq", "act_embed")
+    if cfg.use_attn_res:
+        blocks = constrain(blocks, "batch", "seq", None, "act_embed")
+    seen = dict(attn_in=attn_in, attn_out=attn_out, mlp_in=mlp_in, mlp_out=mlp_out, prefix=prefix, **route)
+    return (prefix, blocks, n_blocks, cache), {k: seen[k] for k in call.collect}
+
+
+def _run_layers(call: _Call, carry, norms_state: dict, *, scan_layers: bool, remat: str):
+    """All layers over the carry: one `lax.scan` over the schedule rows, or a Python loop."""
+    sched = _schedule(call.cfg)
+    step = _remat(lambda c, row: _layer_step(call, c, row), remat)
+    if scan_layers:
+        rows = {k: jnp.asarray(v) for k, v in sched.items()}
+        rows["norms"] = norms_state
+        return jax.lax.scan(step, carry, rows)
+    outs = []
+    for i in range(call.cfg.num_hidden_layers):
+        row = {k: (bool(v[i]) if v.dtype == bool else int(v[i])) for k, v in sched.items()}
+        row["norms"] = jax.tree.map(lambda a: a[i], norms_state)
+        carry, out = step(carry, row)
+        outs.append(out)
+    return carry, (jax.tree.map(lambda *a: jnp.stack(a), *outs) if call.collect else {})
+
+
 class K31ForCausalLM(nnx.Module):
     """Kimi K3 / K3.1 Pro text model (and the Kimi Linear family, through config switches).
 
     `model(tokens, cache=None) -> (logits fp32 [B, T, V], cache)`. Create a cache with
     `model.init_cache(batch, max_len)`, prefill any number of tokens, then decode.
+    Training uses `hidden_states` (the final normalised hidden states, so the loss can stream
+    the vocabulary) with packed rows (`segment_ids`) and a rematerialisation policy.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -103,166 +261,94 @@ class K31ForCausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         return init_cache(self.config, batch, max_len, dtype)
 
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        cache: Cache | None = None,
+        *,
+        valid: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        backends: Backends | None = None,
+        scan_layers: bool = True,
+        remat: str = "none",
+        collect: tuple[str, ...] = (),
+    ) -> tuple[jax.Array, Cache | None, dict[str, Any]]:
+        """`tokens [B, T]` -> (final normalised hidden states `[B, T, D]`, cache, per-layer
+        intermediates named in `collect` (see `INTERMEDIATES`), stacked on a leading layer axis).
+
+        valid `[B, T]` marks real tokens (False for left padding); padded positions change no
+        other token's result. segment_ids `[B, T]` (training, no cache) marks the documents
+        of packed rows (1, 2, ... contiguous; 0 = padding): no mixer reads across them.
+        backends: the implementation of every hot path (`k31jax.ops.Backends`; default
+        `Backends()`). remat: "none" | "full" | "dots" per layer (`REMAT_POLICIES`).
+        Under a mesh (`k31jax.sharding.activate`), activations are constrained to their
+        logical shardings at layer boundaries; without one that is a no-op.
+        """
+        cfg = self.config
+        unknown = set(collect) - set(INTERMEDIATES)
+        if unknown:
+            raise ValueError(f"collect={sorted(unknown)}: expected names from {INTERMEDIATES}")
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed training rows) cannot continue a cache")
+        b, t = tokens.shape
+        act = jnp.dtype(cfg.dtype)
+        x0 = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(act), "batch", "seq", "act_embed")
+        new_valid = jnp.ones((b, t), bool) if valid is None else valid
+        if cache is not None:
+            pos = cache.pos
+            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, new_valid, pos, axis=1)
+            cache = cache.replace(key_valid=key_valid)
+        else:
+            pos, key_valid = 0, new_valid
+        call = _Call(cfg, backends or Backends(), *(_Split(m) if m is not None else None
+                                                    for m in (self.kda, self.mla, self.dense, self.moe)),
+                     valid=valid, segment_ids=segment_ids, key_valid=key_valid, pos=pos, collect=tuple(collect))
+        blocks0 = jnp.zeros((b, t, cfg.num_attn_res_slots, cfg.hidden_size), act)
+        carry = (x0, blocks0, jnp.zeros((), jnp.int32), cache)
+        norms_state = nnx.to_pure_dict(nnx.state(self.norms))
+        (prefix, blocks, n_blocks, cache), per_layer = _run_layers(call, carry, norms_state,
+                                                                   scan_layers=scan_layers, remat=remat)
+        out_norm = self.out_res_norm[...] if cfg.use_attn_res else None
+        out_proj = self.out_res_proj[...] if cfg.use_attn_res else None
+        h = _attn_res_input(cfg, out_norm, out_proj, blocks, n_blocks, prefix)
+        final = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+        if cache is not None:
+            cache = constrain_cache(cache.replace(pos=cache.pos + t))
+        if collect:
+            per_layer = dict(per_layer, embed=x0, final_attn_res=h)
+        return final, cache, per_layer
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits `[B, T, V]` of final hidden states."""
+        return constrain(jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32),
+                         "batch", "seq", "act_vocab")
+
     def __call__(
         self,
         tokens: jax.Array,
         cache: Cache | None = None,
         *,
         valid: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        backends: Backends | None = None,
         scan_layers: bool = True,
         return_intermediates: bool = False,
-        moe_impl: str = "auto",
-        sparse_impl: str = "auto",
-        ep: str = "auto",
-        kernels: str | None = None,
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, dict[str, Any]]:
-        """Run `tokens [B, T]`, continuing `cache` when given.
+        """Run `tokens [B, T]`, continuing `cache` when given -> (logits, cache).
 
-        valid `[B, T]` marks real tokens (False for left padding); padded positions change
-        no other token's result. With `return_intermediates`, a third output holds per-layer
-        activations stacked on a leading layer axis (attn_in, attn_out, mlp_in, mlp_out,
-        prefix, router_idx, router_weights).
-
-        Under a mesh (`jax.set_mesh`, see `k31jax.sharding`), activations are constrained to
-        their logical shardings at layer boundaries and the routed experts run expert-parallel
-        (`ep`: "auto" | "ragged" | "dense" | "allgather" | "off", see `LatentMoE`). Without a
-        mesh both are no-ops.
-
-        kernels: the ops' `impl` seam for the hot paths — KDA chunk / decode step, sparse MLA
-        attention, indexer top-k, MXFP4 grouped matmul: None / "auto" (the Pallas kernels on a
-        GPU outside an auto-partitioned mesh, XLA elsewhere), "xla", "pallas", "interpret".
+        Arguments as in `hidden_states`. With `return_intermediates`, a third output holds
+        every per-layer activation of `INTERMEDIATES` plus `embed`, `final_attn_res` and
+        `final_hidden`.
         """
-        cfg = self.config
-        b, t = tokens.shape
-        act = jnp.dtype(cfg.dtype)
-        x0 = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(act), "batch", "seq", "act_embed")
-        if cache is not None:
-            pos = cache.pos
-            new_valid = jnp.ones((b, t), bool) if valid is None else valid
-            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, new_valid, pos, axis=1)
-            cache = cache.replace(key_valid=key_valid)
-        else:
-            pos = 0
-            key_valid = jnp.ones((b, t), bool) if valid is None else valid
-
-        kda = _Split(self.kda) if self.kda is not None else None
-        mla = _Split(self.mla) if self.mla is not None else None
-        dense = _Split(self.dense) if self.dense is not None else None
-        moe = _Split(self.moe) if self.moe is not None else None
-        k_route = cfg.num_experts_per_token if cfg.moe_layers else 1
-
-        def run_kda(slot, x, c):
-            st = None if c is None else c.kda_state[slot]
-            cv = None if c is None else c.kda_conv[slot]
-            y, st, cv = kda[slot](x, st, cv, valid, kernels=kernels)
-            if c is not None:
-                c = c.replace(kda_state=c.kda_state.at[slot].set(st), kda_conv=c.kda_conv.at[slot].set(cv))
-            return y, c
-
-        def run_mla(slot, x, c):
-            if c is None:
-                y, *_ = mla[slot](x, key_valid=key_valid, sparse_impl=sparse_impl, kernels=kernels)
-                return y, c
-            ik = None if c.index_keys is None else c.index_keys[slot]
-            y, ckv, kpe, ik = mla[slot](x, c.mla_ckv[slot], c.mla_kpe[slot], ik, pos=pos,
-                                        key_valid=key_valid, sparse_impl=sparse_impl, kernels=kernels)
-            c = c.replace(mla_ckv=c.mla_ckv.at[slot].set(ckv), mla_kpe=c.mla_kpe.at[slot].set(kpe),
-                          index_keys=None if ik is None else c.index_keys.at[slot].set(ik))
-            return y, c
-
-        def run_dense(slot, x):
-            no_route = (jnp.zeros((b, t, k_route), jnp.int32), jnp.zeros((b, t, k_route), jnp.float32))
-            return dense[slot](x), *no_route
-
-        def run_moe(slot, x):
-            return moe[slot](x, impl=moe_impl, ep=ep, kernels=kernels)
-
-        def mixer(is_mla, slot, x, c):
-            if kda is None or mla is None or isinstance(is_mla, (bool, np.bool_)):
-                return (run_mla if (kda is None or (mla is not None and is_mla)) else run_kda)(slot, x, c)
-            return jax.lax.cond(is_mla, run_mla, run_kda, slot, x, c)
-
-        def ffn(is_moe, slot, x):
-            if dense is None or moe is None or isinstance(is_moe, (bool, np.bool_)):
-                return (run_moe if (dense is None or (moe is not None and is_moe)) else run_dense)(slot, x)
-            return jax.lax.cond(is_moe, run_moe, run_dense, slot, x)
-
-        block = cfg.attn_res_block_size
-        n_slots = cfg.num_attn_res_slots
-
-        def layer(carry, row):
-            prefix, blocks, n_blocks, c = carry
-            norms = row["norms"]
-            if cfg.use_attn_res:
-                h = attn_res_mix(blocks, n_blocks, prefix, norms.attn_res_norm, norms.attn_res_proj, cfg.rms_norm_eps)
-                snap = jnp.asarray(row["index"] % block == 0)
-                pushed = jax.lax.dynamic_update_slice_in_dim(blocks, prefix[:, :, None], n_blocks, axis=2)
-                blocks = jnp.where(snap, pushed, blocks)
-                n_blocks = n_blocks + snap.astype(jnp.int32)
-                prefix = jnp.where(snap, jnp.zeros_like(prefix), prefix)
-            else:
-                h = prefix
-            attn_out, c = mixer(row["is_mla"], row["mixer_slot"],
-                                _norms.rms_norm(h, norms.input_norm, cfg.rms_norm_eps), c)
-            prefix = constrain(prefix + attn_out.astype(act), "batch", "seq", "act_embed")
-            c = constrain_cache(c)
-            if cfg.use_attn_res:
-                h2 = attn_res_mix(blocks, n_blocks, prefix, norms.mlp_res_norm, norms.mlp_res_proj, cfg.rms_norm_eps)
-            else:
-                h2 = prefix
-            mlp_out, r_idx, r_w = ffn(row["is_moe"], row["ffn_slot"],
-                                      _norms.rms_norm(h2, norms.post_norm, cfg.rms_norm_eps))
-            prefix = constrain(prefix + mlp_out.astype(act), "batch", "seq", "act_embed")
-            if cfg.use_attn_res:
-                blocks = constrain(blocks, "batch", "seq", None, "act_embed")
-            out = None
-            if return_intermediates:
-                out = dict(attn_in=h, attn_out=attn_out, mlp_in=h2, mlp_out=mlp_out, prefix=prefix,
-                           router_idx=r_idx, router_weights=r_w)
-            return (prefix, blocks, n_blocks, c), out
-
-        sched = _schedule(cfg)
-        norms_state = nnx.to_pure_dict(nnx.state(self.norms))
-        blocks0 = jnp.zeros((b, t, n_slots, cfg.hidden_size), act)
-        carry = (x0, blocks0, jnp.zeros((), jnp.int32), cache)
-        norms_view = _Namespace
-        if scan_layers:
-            rows = {k: jnp.asarray(v) for k, v in sched.items()}
-            rows["norms"] = norms_state
-
-            def body(carry, row):
-                row = dict(row, norms=norms_view(row["norms"]))
-                return layer(carry, row)
-
-            carry, inter = jax.lax.scan(body, carry, rows)
-        else:
-            outs = []
-            for i in range(cfg.num_hidden_layers):
-                row = {k: v[i] for k, v in sched.items()}
-                row = {k: (bool(v) if v.dtype == bool else int(v)) for k, v in row.items()}
-                row["norms"] = norms_view(jax.tree.map(lambda a: a[i], norms_state))
-                carry, o = layer(carry, row)
-                outs.append(o)
-            inter = jax.tree.map(lambda *a: jnp.stack(a), *outs) if return_intermediates else None
-        prefix, blocks, n_blocks, cache = carry
-        if cfg.use_attn_res:
-            h = attn_res_mix(blocks, n_blocks, prefix, self.out_res_norm[...], self.out_res_proj[...], cfg.rms_norm_eps)
-        else:
-            h = prefix
-        final = _norms.rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
-        logits = constrain(jnp.dot(final, self.lm_head[...], preferred_element_type=jnp.float32),
-                           "batch", "seq", "act_vocab")
-        if cache is not None:
-            cache = constrain_cache(cache.replace(pos=cache.pos + t))
+        collect = INTERMEDIATES if return_intermediates else ()
+        hidden, cache, per_layer = self.hidden_states(tokens, cache, valid=valid, segment_ids=segment_ids,
+                                                      backends=backends, scan_layers=scan_layers, collect=collect)
+        logits = self.logits(hidden)
         if return_intermediates:
-            inter = dict(inter, embed=x0, final_attn_res=h, final_hidden=final)
-            return logits, cache, inter
+            return logits, cache, dict(per_layer, final_hidden=hidden)
         return logits, cache
 
 
-class _Namespace:
-    """Attribute access to one layer's norm vectors."""
-
-    def __init__(self, d):
-        self.__dict__.update(d)
-
+def abstract_model(config: ModelConfig) -> K31ForCausalLM:
+    """The model with ShapeDtypeStruct leaves: nothing is allocated (`nnx.eval_shape`)."""
+    return nnx.eval_shape(lambda: K31ForCausalLM(config, rngs=nnx.Rngs(0)))

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..sharding._rules import param_local_rules, shard_param_value
+
 
 def _mesh_active() -> bool:
     return not jax.sharding.get_abstract_mesh().empty
@@ -23,8 +25,6 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
         raise ValueError(f"axes {axes} do not match a parameter of shape {value.shape}")
     if not _mesh_active():
         return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-    from ..sharding._rules import param_local_rules, shard_param_value
-
     # `sharding_rules` lets Flax's own tools (nnx.eval_shape / get_abstract_model /
     # get_partition_spec under this mesh) resolve the names exactly as k31jax does.
     return nnx.Param(shard_param_value(value, axes), out_sharding=axes, eager_sharding=False,

@@ -2,22 +2,29 @@
 
 Dtype policy: inputs may be bf16; every "fp32 island" named in the spec (norm statistics,
 gates, KDA recurrence, attention softmax, router, MoE combine) upcasts internally.
+
+The hot paths have one kernel seam (`impl`, resolved by `resolve_impl`: the Pallas kernels of
+`k31jax.kernels` or the XLA path); the model and the engine take the whole choice as one
+`Backends` object. `ep_routed_experts` runs the routed experts expert-parallel under a mesh.
 """
 
 from ._activations import glu, situ_glu, swiglu
 from ._attn_res import attn_res_mix
+from ._impl import IMPLS, Backends, resolve_impl
 from ._indexer import indexer_keys, indexer_queries, indexer_scores, select_topk, selection_mask
 from ._kda import kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, short_conv, softplus_thresholded
 from ._mla import absorb_query, mla_attention, mla_attention_absorbed, mla_attention_sparse
 from ._moe import MXFP4Weight, combine, grouped_matmul, permute, routed_experts
+from ._moe_ep import EXCHANGES, EPPlan, ep_routed_experts, make_ep_plan, ragged_exchange
 from ._norms import l2_normalize, layer_norm, rms_norm
-from ._router import route
+from ._router import route, router_scores
 
 __all__ = [
+    "EXCHANGES", "EPPlan", "IMPLS", "Backends", "ep_routed_experts", "make_ep_plan", "ragged_exchange", "resolve_impl",
     "MXFP4Weight", "absorb_query", "attn_res_mix", "combine", "glu", "grouped_matmul",
     "indexer_keys", "indexer_queries", "indexer_scores", "kda_chunked", "kda_gate",
     "kda_mask_padding", "kda_recurrent", "l2_normalize", "layer_norm", "mla_attention",
     "mla_attention_absorbed", "mla_attention_sparse", "permute", "rms_norm", "route",
-    "routed_experts", "select_topk", "selection_mask", "short_conv", "situ_glu",
+    "routed_experts", "router_scores", "select_topk", "selection_mask", "short_conv", "situ_glu",
     "softplus_thresholded", "swiglu",
 ]

@@ -6,9 +6,12 @@
 - None / "auto": "pallas" on a GPU backend when the op runs on one device's data (no mesh, or
   inside `shard_map` over every mesh axis larger than one), else "xla". Under an automatically
   partitioned mesh the XLA path stays: XLA partitions it, while a kernel is a per-device
-  program whose inputs the partitioner would have to gather. The environment variable
-  `K31JAX_KERNELS` (one of the names above), read at trace time, replaces "auto" everywhere:
-  `K31JAX_KERNELS=xla` keeps a whole program (the engine, the CLI) on the XLA paths.
+  program whose inputs the partitioner would have to gather.
+
+The model and the engine take the whole choice as one frozen `Backends` object; its
+`kernels` field defaults to the environment variable `K31JAX_KERNELS` (one of the names
+above, or "auto"), so `K31JAX_KERNELS=xla` keeps a whole program (the engine, the CLI) on the
+XLA paths without code changes. Nothing else reads that variable.
 
 The kernels have no backward pass of their own: `with_reference_grad` gives a kernel the
 gradient of the XLA path (recomputed in the backward pass), so training through `impl="pallas"`
@@ -17,11 +20,57 @@ differentiates exactly like the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 
 IMPLS = ("xla", "pallas", "interpret")
+MOE_FORMS = ("auto", "ragged", "blocked", "gather")
+SPARSE_FORMS = ("auto", "mask", "gather")
+EP_EXCHANGES = ("auto", "ragged", "dense", "allgather", "off")
+
+
+def _kernels_from_env() -> str:
+    value = os.environ.get("K31JAX_KERNELS") or "auto"
+    if value not in (*IMPLS, "auto"):
+        raise ValueError(f"K31JAX_KERNELS={value!r}: expected one of {IMPLS} or 'auto'")
+    return value
+
+
+def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"Backends.{field}={value!r}: expected one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """Which implementation the model's hot paths run; one object for the model and the engine.
+
+    kernels: the ops' kernel seam for KDA (chunk, decode step), sparse MLA attention, the
+      indexer top-k and the packed-MXFP4 grouped matmul: "auto" (Pallas on a GPU when the op
+      runs on one device's data, XLA elsewhere), "xla", "pallas" or "interpret" (the kernel
+      bodies on the Pallas interpreter, any backend). Default: `$K31JAX_KERNELS`, else "auto".
+    moe: the routed experts' grouped-matmul form (`ops.routed_experts`): "auto" (packed MXFP4
+      experts take the kernel when `kernels` resolves to one; otherwise "gather" for fewer
+      assignments than experts, "blocked" on CPU, "ragged" elsewhere), or one of those forms.
+    sparse: the indexer-selected MLA attention: "auto" (the gather form for decode and long
+      prefill, the [T, S] mask form for short prefill), "mask" or "gather".
+    ep: expert parallelism under a mesh whose rules split the experts: "auto" (the platform's
+      token exchange), "ragged" | "dense" | "allgather" (a given exchange), or "off" (leave the
+      experts to the partitioner). Without a mesh it changes nothing.
+    """
+
+    kernels: str = dataclasses.field(default_factory=_kernels_from_env)
+    moe: str = "auto"
+    sparse: str = "auto"
+    ep: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("kernels", self.kernels, (*IMPLS, "auto"))
+        _check_choice("moe", self.moe, MOE_FORMS)
+        _check_choice("sparse", self.sparse, SPARSE_FORMS)
+        _check_choice("ep", self.ep, EP_EXCHANGES)
 
 
 def _per_device() -> bool:
@@ -37,11 +86,6 @@ def resolve_impl(impl: str | None, *, supported: bool = True) -> str:
     """The implementation to run. `supported=False` (shapes the kernel does not take) turns
     "auto" into "xla"; an explicit "pallas"/"interpret" is left for the kernel to refuse."""
     if impl is None or impl == "auto":
-        forced = os.environ.get("K31JAX_KERNELS", "auto") or "auto"
-        if forced not in (*IMPLS, "auto"):
-            raise ValueError(f"K31JAX_KERNELS={forced!r}: expected one of {IMPLS} or 'auto'")
-        if forced != "auto":
-            return forced if supported else "xla"
         gpu = jax.default_backend() == "gpu"
         return "pallas" if gpu and supported and _per_device() else "xla"
     if impl not in IMPLS:

@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ..kernels import sparse_mla
 from ._impl import resolve_impl
+from ._mla import key_document_ids, same_document
 from ._norms import layer_norm
 
 _HI = jax.lax.Precision.HIGHEST
@@ -50,6 +52,8 @@ def select_topk(
     key_block: int | None = None,
     *,
     impl: str | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """Causal top-min(k, S) selection per query, the query's own position included.
 
@@ -61,20 +65,33 @@ def select_topk(
     scores from `k31jax.kernels.sparse_mla`, then `lax.top_k` — it builds `[B, T, S]` scores,
     so None / "auto" takes it on a GPU for decode (T = 1) only. The selection is discrete:
     no gradient flows through it on either path.
+
+    segment_ids `[B, T]` / kv_segment_ids `[B, S]` (packed rows, 0 = padding; the keys' default
+    to the queries' when S == T): a key is a candidate only in the query's own document, so a
+    query `p` tokens into its document gets `min(k, p + 1)` valid slots and a padding query
+    none. Always the XLA path (the kernel takes no segments).
     """
     impl = resolve_impl(impl, supported=q.shape[1] == 1)
+    key_docs = None
+    if segment_ids is not None:
+        key_docs = key_document_ids(segment_ids, kv_segment_ids, q.shape[:2], k.shape[1], "select_topk")
+        impl = "xla"
     if impl != "xla":
-        from ..kernels.sparse_mla import select_topk as kernel
-
         q, w, k = jax.lax.stop_gradient((q, w, k))
-        return kernel(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
+        return sparse_mla.select_topk(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
     s_len = k.shape[1]
     kk = min(top_k, s_len)
 
+    def own_document(docs, start, size):  # [B, T, size], or True without segments
+        if docs is None:
+            return True
+        return same_document(segment_ids, jax.lax.dynamic_slice_in_dim(docs, start, size, axis=1))
+
     def block_scores(k_blk, start):
-        pos = start + jnp.arange(k_blk.shape[1])
+        size = k_blk.shape[1]
+        pos = start + jnp.arange(size)
         ok = (pos[None, None, :] <= q_pos[None, :, None]) & jax.lax.dynamic_slice_in_dim(
-            key_valid, start, k_blk.shape[1], axis=1)[:, None, :]
+            key_valid, start, size, axis=1)[:, None, :] & own_document(key_docs, start, size)
         return jnp.where(ok, indexer_scores(q, w, k_blk), -jnp.inf), pos
 
     if key_block is None or key_block >= s_len:
@@ -86,6 +103,7 @@ def select_topk(
     pad = n_blk * key_block - s_len
     k_pad = jnp.pad(k, [(0, 0), (0, pad), (0, 0)])
     valid_pad = jnp.pad(key_valid, [(0, 0), (0, pad)])
+    docs_pad = None if key_docs is None else jnp.pad(key_docs, [(0, 0), (0, pad)])
     b, t = q.shape[:2]
     init = (jnp.full((b, t, kk), -jnp.inf, jnp.float32), jnp.zeros((b, t, kk), jnp.int32))
 
@@ -94,7 +112,7 @@ def select_topk(
         k_blk = jax.lax.dynamic_slice_in_dim(k_pad, start, key_block, axis=1)
         pos = start + jnp.arange(key_block)
         ok = (pos[None, None, :] <= q_pos[None, :, None]) & jax.lax.dynamic_slice_in_dim(
-            valid_pad, start, key_block, axis=1)[:, None, :]
+            valid_pad, start, key_block, axis=1)[:, None, :] & own_document(docs_pad, start, key_block)
         sc = jnp.where(ok, indexer_scores(q, w, k_blk), -jnp.inf)
         vals = jnp.concatenate([carry[0], sc], axis=-1)
         ids = jnp.concatenate([carry[1], jnp.broadcast_to(pos, sc.shape).astype(jnp.int32)], -1)

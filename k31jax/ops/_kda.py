@@ -8,32 +8,79 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
+from ..kernels import kda_chunk
 from ._impl import resolve_impl, with_reference_grad
 
 _HI = jax.lax.Precision.HIGHEST
-KERNEL_CHUNK_SIZES = (16, 32, 64, 128)  # the chunk sizes the Pallas kernel takes
+
+
+def check_segment_ids(segment_ids, shape: tuple[int, int], where: str, name: str = "segment_ids") -> None:
+    """Packed-row document ids must be an integer `[B, T]` array matching the activations."""
+    if tuple(segment_ids.shape) != tuple(shape) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{where}: {name} must be an integer array of shape {tuple(shape)} "
+                         f"(batch, tokens), got {segment_ids.dtype}{list(segment_ids.shape)}")
+
+
+def segment_starts(segment_ids: Int[Array, "B T"]) -> Bool[Array, "B T"]:
+    """Where a document begins inside a packed row: `t ≥ 1`, a non-zero id, and an id different
+    from token t-1's. These are the positions where the KDA state and conv window reset.
+
+    Token 0 is never a start: the row's first document continues the call's left context
+    (`initial_state`, the conv `history`; zeros when None). Padding (id 0) never starts anything:
+    it is an identity step, so a row ending in padding returns its last document's state.
+    """
+    prev = jnp.pad(segment_ids[:, :-1], [(0, 0), (1, 0)])
+    first = jnp.arange(segment_ids.shape[1]) == 0
+    return (segment_ids != 0) & (segment_ids != prev) & ~first
 
 
 def short_conv(
     x: Float[Array, "B T C"],
     weight: Float[Array, "K C"],
     history: Float[Array, "B Km1 C"] | None = None,
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B Km1 C"]]:
     """Causal depthwise conv: `y_t = Σ_j w[j] · in_{t-K+1+j}` (tap K-1 is the current token).
 
     `history` holds the K-1 previous *pre-conv* inputs, oldest first (zeros when None). Returns
     the fp32 output (no activation) and the new history (the last K-1 inputs).
+
+    segment_ids `[B, T]` (packed rows: 1, 2, ... per contiguous document, 0 = padding): a tap
+    never reads a token of an earlier document (zero instead; see `segment_starts`), padding
+    inputs count as zero and padding outputs are zero. Equal to running each document alone;
+    the returned history is the one the row's last document returns alone (padding does not
+    shift the window), or `history` for a row of padding only.
     """
     k = weight.shape[0]
     b, t, c = x.shape
     if history is None:
         history = jnp.zeros((b, k - 1, c), jnp.float32)
-    full = jnp.concatenate([history.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+    x = x.astype(jnp.float32)
+    if segment_ids is not None:
+        check_segment_ids(segment_ids, (b, t), "short_conv")
+        x = jnp.where((segment_ids != 0)[..., None], x, 0.0)
+    full = jnp.concatenate([history.astype(jnp.float32), x], axis=1)
     w = weight.astype(jnp.float32)
-    y = sum(w[j] * full[:, j:j + t] for j in range(k))
-    return y, full[:, t:]
+    if segment_ids is None:
+        y = sum(w[j] * full[:, j:j + t] for j in range(k))
+        return y, full[:, t:]
+    # earliest readable position per token: its document's start, or -(K-1) (the history) for
+    # the document that continues the left context
+    pos = jnp.arange(t)
+    first = jax.lax.cummax(jnp.where(segment_starts(segment_ids), pos, -(k - 1)), axis=1)
+    y = sum(jnp.where((pos - (k - 1 - j) >= first)[..., None], w[j] * full[:, j:j + t], 0.0)
+            for j in range(k))
+    y = jnp.where((segment_ids != 0)[..., None], y, 0.0)
+    # the K-1 inputs before `end` (one past the row's last real token; 0 for padding only),
+    # zero before the last document's start; `full` holds token p at index p + K-1
+    end = jnp.max(jnp.where(segment_ids != 0, pos + 1, 0), axis=1)
+    window = end[:, None] + jnp.arange(k - 1)  # [B, K-1] indices into `full`
+    new_hist = jnp.take_along_axis(full, window[..., None], axis=1)
+    last_first = jnp.take_along_axis(first, jnp.maximum(end - 1, 0)[:, None], axis=1)
+    return y, jnp.where((window - (k - 1) >= last_first)[..., None], new_hist, 0.0)
 
 
 def _zero_state(b, h, dk, dv):
@@ -78,33 +125,49 @@ def kda_recurrent(
     initial_state: Float[Array, "B H dk dv"] | None = None,
     *,
     impl: str | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
 
     q and k are used as given (already L2-normalised, q scaled). Used for decode steps; fp32.
     impl (see `_impl.resolve_impl`): "xla" is this scan; "pallas" / "interpret" the fused
     decode-step kernel of `k31jax.kernels.kda_chunk`; None / "auto" the kernel on a GPU.
+
+    segment_ids `[B, T]` (packed rows, 0 = padding): the state is reset to zero where a document
+    starts (`segment_starts`), padding steps are identities (g = 0, β = 0) with zero output, and
+    the returned state is the row's last document's. Always the XLA path (the kernel takes no
+    segments). Equal to running each document alone.
     """
     impl = resolve_impl(impl)
+    if segment_ids is not None:
+        impl = "xla"
     if impl != "xla":
-        from ..kernels.kda_chunk import kda_recurrent as kernel
-
-        return with_reference_grad(functools.partial(kernel, impl=impl),
+        return with_reference_grad(functools.partial(kda_chunk.kda_recurrent, impl=impl),
                                    functools.partial(kda_recurrent, impl="xla"))(q, k, v, g, beta, initial_state)
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
+    if segment_ids is not None:
+        check_segment_ids(segment_ids, q.shape[:2], "kda_recurrent")
+        g, beta = kda_mask_padding(segment_ids != 0, g, beta)
     xs = [jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta)]
+    if segment_ids is not None:
+        xs.append(jnp.moveaxis(segment_starts(segment_ids), 1, 0))
 
     def step(s, inp):
-        qt, kt, vt, gt, bt = inp
+        qt, kt, vt, gt, bt = inp[:5]
+        if segment_ids is not None:  # a new document starts from a zero state
+            s = jnp.where(inp[5][:, None, None, None], 0.0, s)
         s = s * jnp.exp(gt)[..., None]
         read = jnp.einsum("bhkv,bhk->bhv", s, kt, precision=_HI)
         s = s + jnp.einsum("bhk,bhv->bhkv", kt * bt[..., None], vt - read, precision=_HI)
         return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HI)
 
     state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
-    return jnp.moveaxis(o, 0, 1), state
+    o = jnp.moveaxis(o, 0, 1)
+    if segment_ids is not None:
+        o = jnp.where((segment_ids != 0)[..., None, None], o, 0.0)
+    return o, state
 
 
 def kda_chunked(
@@ -118,6 +181,7 @@ def kda_chunked(
     *,
     impl: str | None = None,
     lower_bound: float | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """Chunked WY/UT form of `kda_recurrent` (kda.md §5), for prefill and training.
 
@@ -129,19 +193,30 @@ def kda_chunked(
     `k31jax.kernels.kda_chunk` (chunk sizes 16-128); None / "auto" the kernel on a GPU.
     `lower_bound` (the gate's bound, None for softplus) only lets the kernel factor its
     diagonal sub-chunk tiles (kda.md §6b); this path ignores it.
-    """
-    impl = resolve_impl(impl, supported=chunk_size in KERNEL_CHUNK_SIZES)
-    if impl != "xla":
-        from ..kernels.kda_chunk import kda_chunked as kernel
 
+    segment_ids `[B, T]` (packed rows, 0 = padding): exactly `kda_recurrent(segment_ids=...)`,
+    i.e. each document run alone, for any chunk size and documents starting mid-chunk. Per
+    chunk, each row carries the index of its document within the chunk (0: the document that
+    began before the chunk); the intra-chunk decays, the UT system and the read-out keep only
+    same-document pairs, only document 0 reads the incoming state, and only the chunk's last
+    document is carried to the next. Nothing is scaled, so no gate trick can overflow.
+    Always the XLA path (the kernel takes no segments).
+    """
+    impl = resolve_impl(impl, supported=chunk_size in kda_chunk.CHUNK_SIZES)
+    if segment_ids is not None:
+        impl = "xla"
+    if impl != "xla":
         return with_reference_grad(
-            functools.partial(kernel, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
+            functools.partial(kda_chunk.kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
             functools.partial(kda_chunked, chunk_size=chunk_size, impl="xla"))(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size
     n = -(-t // c)
     pad = n * c - t
+    if segment_ids is not None:
+        check_segment_ids(segment_ids, (b, t), "kda_chunked")
+        g, beta = kda_mask_padding(segment_ids != 0, g, beta)
 
     def chunks(a):
         a = a.astype(jnp.float32)
@@ -152,34 +227,54 @@ def kda_chunked(
 
     qc, kc, vc, gc = (chunks(a) for a in (q, k, v, g))
     bc = chunks(beta)  # [n, B, H, C]
+    xs = (qc, kc, vc, gc, bc)
+    if segment_ids is not None:  # the document index of each row within its chunk
+        starts = jnp.pad(segment_starts(segment_ids), [(0, 0), (0, pad)]).reshape(b, n, c)
+        xs += (jnp.moveaxis(jnp.cumsum(starts, axis=2, dtype=jnp.int32), 1, 0),)  # [n, B, C]
     state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state
     body = functools.partial(_kda_chunk_step, chunk_size=c)
-    state, o = jax.lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+    state, o = jax.lax.scan(body, state.astype(jnp.float32), xs)
     o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, dv]
-    o = jnp.moveaxis(o, 2, 3).reshape(b, n * c, h, dv)
-    return o[:, :t], state
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * c, h, dv)[:, :t]
+    if segment_ids is not None:
+        o = jnp.where((segment_ids != 0)[..., None, None], o, 0.0)
+    return o, state
 
 
 def _kda_chunk_step(state, inp, *, chunk_size):
-    q, k, v, g, beta = inp  # [B, H, C, d], beta [B, H, C]
+    q, k, v, g, beta = inp[:5]  # [B, H, C, d], beta [B, H, C]
+    doc = inp[5] if len(inp) == 6 else None  # [B, C] document index within the chunk, or None
     c = chunk_size
     gamma = jnp.cumsum(g, axis=2)  # [B, H, C, dk], non-increasing
     i = jnp.arange(c)
     incl = i[:, None] >= i[None, :]  # j <= i
+    strict = i[:, None] > i[None, :]
+    if doc is not None:  # pairs of different documents never interact
+        same_doc = (doc[:, :, None] == doc[:, None, :])[:, None]  # [B, 1, i, j]
+        incl, strict = incl & same_doc, strict & same_doc
     diff = gamma[:, :, :, None, :] - gamma[:, :, None, :, :]  # [B, H, i, j, dk]
     decay = jnp.exp(jnp.where(incl[..., None], diff, -jnp.inf))
     kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k, k, decay, precision=_HI)
-    strict = i[:, None] > i[None, :]
     lower = jnp.where(strict, beta[..., :, None] * kk, 0.0)
     u = _unit_lower_solve(lower, beta[..., None] * v)
     w = _unit_lower_solve(lower, beta[..., None] * k * jnp.exp(gamma))
+    q_decayed = q * jnp.exp(gamma)
+    last = gamma[:, :, -1:, :]  # Γ_C
+    k_to_end = k * jnp.exp(last - gamma)
+    state_kept = jnp.exp(last[:, :, 0, :])[..., None] * state
+    if doc is not None:
+        # a document that began inside the chunk starts from zero: its rows neither predict
+        # from nor read the incoming state; the next chunk gets only the last document's state
+        carried = (doc == 0)[:, None, :, None]
+        w = jnp.where(carried, w, 0.0)
+        q_decayed = jnp.where(carried, q_decayed, 0.0)
+        k_to_end = jnp.where((doc == doc[:, -1:])[:, None, :, None], k_to_end, 0.0)
+        state_kept = jnp.where((doc[:, -1] == 0)[:, None, None, None], state_kept, 0.0)
     pseudo_v = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HI)
     attn = jnp.einsum("bhid,bhjd,bhijd->bhij", q, k, decay, precision=_HI)
-    out = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gamma), state, precision=_HI)
+    out = (jnp.einsum("bhck,bhkv->bhcv", q_decayed, state, precision=_HI)
            + jnp.einsum("bhij,bhjv->bhiv", attn, pseudo_v, precision=_HI))
-    last = gamma[:, :, -1:, :]  # Γ_C
-    new_state = (jnp.exp(last[:, :, 0, :])[..., None] * state
-                 + jnp.einsum("bhck,bhcv->bhkv", k * jnp.exp(last - gamma), pseudo_v, precision=_HI))
+    new_state = state_kept + jnp.einsum("bhck,bhcv->bhkv", k_to_end, pseudo_v, precision=_HI)
     return new_state, out
 
 

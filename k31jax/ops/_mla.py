@@ -4,6 +4,12 @@ Spec attention.md §1. No rotation anywhere: the `pe` dims are plain features, `
 vector per token shared by all heads. Logits and softmax are fp32; outputs are fp32.
 Masks are boolean `[B, T, S]` (True = may attend); a query with no allowed key yields a
 finite (uniform) row instead of NaN, so padding never poisons other tokens.
+
+Packed rows: every core takes `segment_ids [B, T]` (the queries' documents: 1, 2, ... per
+contiguous document, 0 = padding) and `kv_segment_ids [B, S]` (the keys'; default
+`segment_ids`, for S == T). A query then attends only to keys of its own document (on top of
+`mask` / the selection), and padding queries output zeros, so each document computes exactly
+what it would alone and padding affects nothing, forward or backward.
 """
 
 import functools
@@ -12,7 +18,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ..kernels import sparse_mla
 from ._impl import resolve_impl, with_reference_grad
+from ._kda import check_segment_ids
 
 _HI = jax.lax.Precision.HIGHEST
 _NEG = jnp.finfo(jnp.float32).min
@@ -20,6 +28,28 @@ _NEG = jnp.finfo(jnp.float32).min
 
 def _masked_softmax(logits, mask):
     return jax.nn.softmax(jnp.where(mask, logits, _NEG), axis=-1)
+
+
+def key_document_ids(segment_ids, kv_segment_ids, q_shape, s_len: int, where: str):
+    """Checks the queries' document ids; returns the keys' `[B, S]`: `kv_segment_ids`, or the
+    queries' own when the keys are the queries (S == T)."""
+    check_segment_ids(segment_ids, tuple(q_shape), where)
+    if kv_segment_ids is None:
+        if q_shape[1] != s_len:
+            raise ValueError(f"{where}: {s_len} keys but {q_shape[1]} queries; pass "
+                             f"kv_segment_ids [B, {s_len}] for keys that are not the queries")
+        return segment_ids
+    check_segment_ids(kv_segment_ids, (q_shape[0], s_len), where, "kv_segment_ids")
+    return kv_segment_ids
+
+
+def same_document(segment_ids: Int[Array, "B T"], kv_segment_ids: Int[Array, "B S"]) -> Bool[Array, "B T S"]:
+    """True where query t and key s lie in the same document (equal, non-zero ids)."""
+    return (segment_ids[:, :, None] == kv_segment_ids[:, None, :]) & (segment_ids != 0)[:, :, None]
+
+
+def _zero_padding_queries(o, segment_ids):
+    return jnp.where((segment_ids != 0)[:, :, None, None], o, 0.0)
 
 
 def mla_attention(
@@ -30,8 +60,17 @@ def mla_attention(
     v: Float[Array, "B S H dv"],
     mask: Bool[Array, "B T S"],
     scale: float,
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T H dv"]:
-    """Naive (MHA) form: `softmax((q_nope·k_nope + q_pe·k_pe)·scale)` over allowed keys, then ·v."""
+    """Naive (MHA) form: `softmax((q_nope·k_nope + q_pe·k_pe)·scale)` over allowed keys, then ·v.
+
+    segment_ids / kv_segment_ids: packed rows (module docstring)."""
+    if segment_ids is not None:
+        kv = key_document_ids(segment_ids, kv_segment_ids, q_nope.shape[:2], k_pe.shape[1], "mla_attention")
+        mask = mask & same_document(segment_ids, kv)
+        return _zero_padding_queries(mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale), segment_ids)
     f32 = jnp.float32
     logits = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=f32)
               + jnp.einsum("bthd,bsd->bhts", q_pe, k_pe, preferred_element_type=f32)) * scale
@@ -54,8 +93,19 @@ def mla_attention_absorbed(
     w_uv: Float[Array, "r H dv"],
     mask: Bool[Array, "B T S"],
     scale: float,
+    *,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T H dv"]:
-    """Absorbed (MQA) form over the latent cache: one 576-d key and one 512-d value per token."""
+    """Absorbed (MQA) form over the latent cache: one 576-d key and one 512-d value per token.
+
+    segment_ids / kv_segment_ids: packed rows (module docstring)."""
+    if segment_ids is not None:
+        kv = key_document_ids(segment_ids, kv_segment_ids, q_nope.shape[:2], c_kv.shape[1],
+                           "mla_attention_absorbed")
+        mask = mask & same_document(segment_ids, kv)
+        return _zero_padding_queries(
+            mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, mask, scale), segment_ids)
     f32 = jnp.float32
     q_lat = absorb_query(q_nope, w_uk)
     logits = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv.astype(f32), precision=_HI)
@@ -77,6 +127,8 @@ def mla_attention_sparse(
     scale: float,
     *,
     impl: str | None = None,
+    segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T H dv"]:
     """Absorbed attention over only the selected latent rows `idx` (DSA, attention.md §3).
 
@@ -84,12 +136,20 @@ def mla_attention_sparse(
     impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
     `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise); None / "auto"
     the kernel on a GPU.
+    segment_ids / kv_segment_ids: packed rows (module docstring); selected slots of another
+    document are dropped from `valid`, so the kernel path stays available.
     """
+    if segment_ids is not None:
+        kv = key_document_ids(segment_ids, kv_segment_ids, q_nope.shape[:2], c_kv.shape[1],
+                           "mla_attention_sparse")
+        slot_docs = jax.vmap(lambda ids, i: ids[i])(kv, idx)  # [B, T, K]
+        valid = valid & (slot_docs == segment_ids[:, :, None]) & (segment_ids != 0)[:, :, None]
+        return _zero_padding_queries(
+            mla_attention_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale, impl=impl),
+            segment_ids)
     impl = resolve_impl(impl)
     if impl != "xla":
-        from ..kernels.sparse_mla import mla_attention_sparse as kernel
-
-        return with_reference_grad(functools.partial(kernel, scale=scale, impl=impl),
+        return with_reference_grad(functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=impl),
                                    functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid)
     f32 = jnp.float32

@@ -9,23 +9,16 @@ jitted graph right before its matmul, so the packed bytes are what lives in memo
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, Float, Int
 
+from ..kernels import mxfp4_matmul
 from ..quant import fake_quant as fake_quant_weight
-from ..quant import mx_fake_quant_activations, mxfp4_dequantize_packed
+from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
 from ._impl import resolve_impl, with_reference_grad
-
-
-class MXFP4Weight(NamedTuple):
-    """A stacked MXFP4 expert weight: E2M1 codes two per byte (low nibble = even element)."""
-
-    packed: UInt8[Array, "E out in_half"]
-    scale: UInt8[Array, "E out in_blocks"]
 
 
 ExpertWeight = Array | MXFP4Weight
@@ -59,7 +52,7 @@ def permute(
     return x[order // k], order, group_sizes
 
 
-_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+RAGGED_DOT_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())),
     lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0],
@@ -80,12 +73,10 @@ def grouped_matmul(
     """
     impl = resolve_impl(impl, supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
-        from ..kernels.mxfp4_matmul import grouped_matmul as kernel
-
-        return with_reference_grad(functools.partial(kernel, impl=impl),
+        return with_reference_grad(functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
                                    functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
-    y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, _RAGGED_DN,
+    y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
                                    preferred_element_type=jnp.float32)
     return y.astype(x_sorted.dtype)
 
@@ -201,13 +192,11 @@ def routed_experts(
         h = act(gmm(xs, w_gate), gmm(xs, w_up))
         return combine(gmm(qin(h), w_down), order, weights)
     if impl in ("pallas", "interpret"):
-        from ..kernels.mxfp4_matmul import grouped_matmul_gate_up
-
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
         if isinstance(w_gate, MXFP4Weight) and isinstance(w_up, MXFP4Weight):
             g, u = with_reference_grad(
-                functools.partial(grouped_matmul_gate_up, impl=impl),
+                functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=impl),
                 lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
                 xs, w_gate, w_up, sizes)
         else:

@@ -7,6 +7,16 @@ from jaxtyping import Array, Float, Int
 _HI = jax.lax.Precision.HIGHEST
 
 
+def router_scores(x: Float[Array, "N D"], w_gate: Float[Array, "D E"], activation: str = "sigmoid") -> Float[Array, "N E"]:
+    """The router's unbiased fp32 affinity of every token for every expert."""
+    logits = jnp.dot(x.astype(jnp.float32), w_gate.astype(jnp.float32), precision=_HI)
+    if activation == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if activation == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"router activation {activation!r}: expected 'sigmoid' or 'softmax'")
+
+
 def route(
     x: Float[Array, "N D"],
     w_gate: Float[Array, "D E"],
@@ -25,13 +35,7 @@ def route(
     renormalised (`/ (Σ + 1e-20)`) when `renormalize and top_k > 1`, then times `scaling`.
     Group limiting applies only when `n_group > 1 and n_group > topk_group`.
     """
-    logits = jnp.dot(x.astype(jnp.float32), w_gate.astype(jnp.float32), precision=_HI)
-    if activation == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    elif activation == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        raise ValueError(f"router activation {activation!r}: expected 'sigmoid' or 'softmax'")
+    scores = router_scores(x, w_gate, activation)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     if n_group > 1 and n_group > topk_group:
         n, e = choice.shape

@@ -15,7 +15,7 @@ jnp code.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,15 @@ from k31jax.quant._mx import (
     encode_elements,
     scale_blocks,
 )
+
+
+class MXFP4Weight(NamedTuple):
+    """A stacked MXFP4 expert weight `[E, out, in]` held packed: E2M1 codes two per byte
+    (low nibble = even element) `[E, out, in/2]` and E8M0 scale bytes `[E, out, in/32]`."""
+
+    packed: jax.Array
+    scale: jax.Array
+
 
 if TYPE_CHECKING:
     from jaxtyping import Array, Float, Int32, UInt8

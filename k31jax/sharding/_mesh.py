@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from ._rules import MESH_AXES
+from ._rules import MESH_AXES, Rules, current_rules, get_rules, use_rules
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -70,3 +71,11 @@ def abstract_mesh(spec: str | Mapping[str, int] | None = None, **sizes: int) -> 
     shape = parse_mesh({**parse_mesh(spec), **sizes} if sizes else spec)
     return jax.sharding.AbstractMesh(tuple(shape.values()), MESH_AXES,
                                      axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+@contextlib.contextmanager
+def activate(mesh, rules: Rules | str | None = None):
+    """`jax.set_mesh(mesh)` plus the rule table (default: `rules_for_mesh(mesh)`)."""
+    rules = get_rules(rules) or current_rules(dict(mesh.shape))
+    with jax.set_mesh(mesh), use_rules(rules):
+        yield mesh

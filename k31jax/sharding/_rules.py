@@ -206,7 +206,7 @@ def active_mesh_shape() -> dict[str, int] | None:
     return dict(mesh.shape)
 
 
-def _inside_manual() -> bool:
+def inside_manual() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     manual = getattr(mesh, "manual_axes", None)
     if manual is not None:
@@ -218,7 +218,7 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """`with_sharding_constraint` by logical names; a no-op without an active mesh (and inside
     `shard_map`, where the axes are manual)."""
     mesh_shape = active_mesh_shape()
-    if mesh_shape is None or _inside_manual():
+    if mesh_shape is None or inside_manual():
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh_shape))
 

@@ -6,14 +6,11 @@ This is a PEER implementation check: the outputs come from transformers' own
 
 Environment (a separate venv; k31jax itself never imports torch):
 
-    python3.11 -m venv /work/torchvenv
-    /work/torchvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
-    # Do NOT install flash-linear-attention (fla), causal-conv1d, kernels or triton into it:
-    # transformers would then swap its torch fallbacks for GPU-only kernels.
+    bash scripts/make_torch_venv.sh        # ./.torchvenv: torch 2.13, transformers, safetensors, numpy
 
 Run (from the repository root; takes a few seconds on CPU):
 
-    /work/torchvenv/bin/python tests/golden/make_kimi_linear_golden.py [--seed 0] [--out DIR]
+    ./.torchvenv/bin/python tests/golden/make_kimi_linear_golden.py [--seed 0] [--out DIR]
 
 It writes into `tests/golden/kimi_linear_tiny/` (or --out):
 

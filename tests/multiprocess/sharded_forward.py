@@ -11,7 +11,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from k31jax.sharding import initialize  # noqa: E402
+from k31jax.distributed import initialize  # noqa: E402
 
 pid, nproc, port, mesh_spec, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 initialize(f"localhost:{port}", nproc, pid, cpu_collectives="gloo", num_cpu_devices=2, initialization_timeout=120)
@@ -22,16 +22,16 @@ from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from k31jax import ModelConfig, sharding  # noqa: E402
+from k31jax import ModelConfig, distributed, sharding  # noqa: E402
 
 assert jax.process_count() == nproc and jax.device_count() == 2 * nproc, (jax.process_count(), jax.device_count())
 cfg = ModelConfig.preset("tiny", dtype="float32", expert_weights="mxfp4")
 mesh = sharding.make_mesh(mesh_spec)
-model = sharding.init_sharded(cfg, mesh, seed=0)
+model = distributed.init_sharded(cfg, mesh, seed=0)
 host_tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 13)).astype(np.int32)
 tokens = jax.make_array_from_callback(host_tokens.shape, NamedSharding(mesh, jax.P()), lambda i: host_tokens[i])
 with sharding.activate(mesh):
-    cache = sharding.init_sharded_cache(cfg, 4, 16, mesh)
+    cache = distributed.init_sharded_cache(cfg, 4, 16, mesh)
     step = nnx.jit(lambda m, t, c: m(t, c))
     prefill, cache = step(model, tokens[:, :12], cache)
     decode, cache = step(model, tokens[:, 12:], cache)

@@ -6,7 +6,7 @@ attention.md §1-§3 and architecture.md §6, §10. Written from shared/spec onl
 import numpy as np
 
 from .common import _f64, layer_norm, rms_norm, sigmoid, softmax
-from .kda import _has, _w
+from .kda import _has, _w, document_spans
 
 MLA_LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm eps (architecture.md §3)
 INDEXER_LN_EPS = 1e-6  # indexer k_norm eps (architecture.md §10.1)
@@ -94,3 +94,64 @@ def indexer_select(scores, topk):
         order = np.argsort(-scores[t, : t + 1], kind="stable")
         allowed[t, order[:n]] = True
     return allowed
+
+
+def mla_attention_core(q_nope, q_pe, k_nope, k_pe, v, scale, allowed=None):
+    """Naive MLA attention core, attention.md §1.2, one sequence of T queries over T keys.
+
+    q_nope [T, H, dn], q_pe [T, H, dr], k_nope [T, H, dn], k_pe [T, dr] (shared by all heads),
+    v [T, H, dv]; causal, ANDed with `allowed` [T, T] when given. Returns o [T, H, dv].
+    """
+    q_nope, q_pe, k_nope, k_pe, v = map(_f64, (q_nope, q_pe, k_nope, k_pe, v))
+    T, H = q_nope.shape[:2]
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    if allowed is not None:
+        mask = mask & np.asarray(allowed, dtype=bool)
+    o = np.zeros((T, H, v.shape[-1]))
+    for h in range(H):
+        logits = (q_nope[:, h] @ k_nope[:, h].T + q_pe[:, h] @ k_pe.T) * scale
+        o[:, h] = softmax(np.where(mask, logits, -np.inf), axis=-1) @ v[:, h]
+    return o
+
+
+# ---------------------------------------------------------------- packed rows (segment ids)
+# Each document of a packed row run alone (see kda.py); padding positions output zero.
+
+
+def mla_attention_core_packed(q_nope, q_pe, k_nope, k_pe, v, scale, segment_ids, allowed=None):
+    """mla_attention_core per document of one packed row; `allowed` [T, T] is cut per document."""
+    o = np.zeros(np.shape(q_nope)[:2] + (np.shape(v)[-1],))
+    for s, e in document_spans(segment_ids):
+        sub = None if allowed is None else np.asarray(allowed)[s:e, s:e]
+        o[s:e] = mla_attention_core(q_nope[s:e], q_pe[s:e], k_nope[s:e], k_pe[s:e], v[s:e], scale, sub)
+    return o
+
+
+def indexer_select_packed(scores, topk, segment_ids):
+    """DSA selection per document: allowed[t, s] only for s in t's document, the top
+    min(k, position in document + 1) of the document's causal scores. scores [T, T] as from
+    `indexer_scores` (a pair's score depends on the pair alone, so a document's block of the
+    row's scores is the document's own score matrix)."""
+    scores = _f64(scores)
+    allowed = np.zeros(scores.shape, dtype=bool)
+    for s, e in document_spans(segment_ids):
+        allowed[s:e, s:e] = indexer_select(scores[s:e, s:e], topk)
+    return allowed
+
+
+def mla_layer_packed(x, p, cfg, segment_ids, index=None):
+    """mla_layer per document of one packed row x [T, D]; zeros at padding.
+
+    index: None (dense), or (indexer params as for `indexer_scores`, n_heads, head_dim, topk)
+    for DSA: each document selects among its own tokens.
+    """
+    x = _f64(x)
+    y = np.zeros((x.shape[0], _w(p, "o_proj").shape[0]))
+    for s, e in document_spans(segment_ids):
+        allowed = None
+        if index is not None:
+            ip, n_heads, head_dim, topk = index
+            c_q = mla_latents(x[s:e], p, cfg)["c_q"]
+            allowed = indexer_select(indexer_scores(x[s:e], c_q, ip, n_heads, head_dim), topk)
+        y[s:e] = mla_layer(x[s:e], p, cfg, allowed=allowed)
+    return y

@@ -107,3 +107,73 @@ def kda_layer(x, p, cfg, conv_history=None, initial_state=None):
     on = on * _w(p, "o_norm").reshape(-1)[None, None, :] * sigmoid(G)
     y = on.reshape(T, H * dv) @ _w(p, "o_proj").T
     return y, S, new_hist
+
+
+# ---------------------------------------------------------------- packed rows (segment ids)
+#
+# A packed row holds several documents: segment_ids[t] = 1, 2, ... per contiguous document and
+# 0 for padding (kda.md §6: reset the state and conv window at a segment start). "Exact" means
+# each document computes what it would alone, so the references below literally run every
+# document alone through the single-sequence references and place the results; padding
+# positions output zero.
+
+
+def document_spans(segment_ids):
+    """[(start, end)] of the documents of one row: maximal runs of one non-zero id."""
+    ids = np.asarray(segment_ids).reshape(-1)
+    spans, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or ids[t] != ids[start]:
+            if ids[start] != 0:
+                spans.append((start, t))
+            start = t
+    return spans
+
+
+def short_conv_packed(x, w, segment_ids, history=None):
+    """short_conv per document, x [T, C]; zeros at padding. Only a document starting at t = 0
+    continues `history` [K-1, C] (the row's left context); every other one starts from zeros.
+
+    Returns (y [T, C], the new history: the last K-1 pre-conv inputs of the last document
+    alone, i.e. of its left context followed by its tokens; `history` for a row without one).
+    """
+    x = _f64(x)
+    C = x.shape[1]
+    K = _f64(w).shape[-1]
+    zeros = np.zeros((K - 1, C))
+    y = np.zeros_like(x)
+    new_hist = zeros if history is None else _f64(history).reshape(K - 1, C)
+    for s, e in document_spans(segment_ids):
+        left = zeros if (s != 0 or history is None) else _f64(history).reshape(K - 1, C)
+        y[s:e] = short_conv(x[s:e], w, left)
+        new_hist = np.concatenate([left, x[s:e]], axis=0)[len(left) + (e - s) - (K - 1):]
+    return y, new_hist
+
+
+def kda_recurrent_packed(q, k, v, g, beta, segment_ids, initial_state=None):
+    """kda_recurrent per document (one row; shapes as kda_recurrent); zero outputs at padding.
+
+    A document starting at t = 0 continues `initial_state`, every other starts from zero. The
+    returned state is the last document's (padding steps are identities), or the initial
+    state (zeros when None) for a row without documents.
+    """
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    T, H, _ = q.shape
+    o = np.zeros((T, H, v.shape[-1]))
+    S = np.zeros((H, q.shape[-1], v.shape[-1])) if initial_state is None else _f64(initial_state)
+    for s, e in document_spans(segment_ids):
+        o[s:e], S = kda_recurrent(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                  initial_state if s == 0 else None)
+    return o, S
+
+
+def kda_layer_packed(x, p, cfg, segment_ids):
+    """kda_layer per document of one packed row x [T, D], each from a fresh state and conv
+    window; zeros at padding. Returns (y [T, D], the last document's final state and conv
+    history, as kda_layer returns them; None, None for a row without documents)."""
+    x = _f64(x)
+    y = np.zeros((x.shape[0], _w(p, "o_proj").shape[0]))
+    S = hist = None
+    for s, e in document_spans(segment_ids):
+        y[s:e], S, hist = kda_layer(x[s:e], p, cfg)
+    return y, S, hist

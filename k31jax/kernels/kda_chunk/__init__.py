@@ -1,5 +1,5 @@
 """KDA chunked forward and fused decode step (Pallas-Triton), the kernel paths of the KDA ops."""
 
-from .ops import factor_diagonal, kda_chunked, kda_recurrent
+from .ops import CHUNK_SIZES, factor_diagonal, kda_chunked, kda_recurrent
 
-__all__ = ["factor_diagonal", "kda_chunked", "kda_recurrent"]
+__all__ = ["CHUNK_SIZES", "factor_diagonal", "kda_chunked", "kda_recurrent"]

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._common import pad_axis, pow2_at_least
-from ...ops._kda import KERNEL_CHUNK_SIZES
 from . import pallas_kda
+
+CHUNK_SIZES = (16, 32, 64, 128)  # the chunk sizes the kernel takes
 
 # |Γ_i − Γ_m| inside a 16-row tile is < 8·|lb| around its middle row: factor the diagonal tiles
 # only while that stays far from fp32's e^88.7 (kda.md §6b; lb = −5 gives e^40).
@@ -45,8 +46,8 @@ def kda_chunked(
     Chunk sizes 16, 32, 64, 128 run on the kernel; any T (zero-padded to a multiple of the
     chunk, an exact identity step) and any head width (zero-padded to a power of two ≥ 16).
     """
-    if chunk_size not in KERNEL_CHUNK_SIZES:
-        raise ValueError(f"kda_chunked kernel: chunk_size={chunk_size} not in {KERNEL_CHUNK_SIZES}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"kda_chunked kernel: chunk_size={chunk_size} not in {CHUNK_SIZES}")
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size

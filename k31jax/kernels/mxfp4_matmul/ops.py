@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float, Int
 
+from ...quant import MXFP4Weight
 from .._common import pow2_at_least
 from .pallas_mxfp4_gmm import mxfp4_gmm
-from .ref import MXFP4Weight
 
 
 def block_rows(m: int, n_groups: int) -> int:

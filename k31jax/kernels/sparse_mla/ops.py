@@ -16,7 +16,6 @@ from jaxtyping import Array, Bool, Float, Int
 from .._common import pad_axis, pow2_at_least
 from .pallas_indexer import indexer_scores_masked
 from .pallas_sparse_mla import combine_splits, sparse_latent_attention
-from .ref import absorb_query
 
 H200_SMS = 132
 BLOCK_K = 32
@@ -55,7 +54,9 @@ def mla_attention_sparse(
     hp = -(-h // bh) * bh
     rp, pp = pow2_at_least(r), pow2_at_least(dr)
     n = b * t
-    q_lat = absorb_query(q_nope, w_uk)  # fp32, as the XLA op
+    # W_UK_hᵀ q_nope_h in fp32, as the XLA op's `absorb_query` (kernels never import ops)
+    q_lat = jnp.einsum("bthd,rhd->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
     q_lat = pad_axis(pad_axis(q_lat.reshape(n, h, r), 1, hp), 2, rp).astype(cdt)
     qpe = pad_axis(pad_axis(q_pe.reshape(n, h, dr), 1, hp), 2, pp).astype(cdt)
     ckv = pad_axis(c_kv, 2, rp).astype(cdt)

@@ -1,0 +1,351 @@
+"""`k31jax generate` and `k31jax chat`: K3 chat-format generation from a checkpoint or the
+embedded default model (a seeded random `tiny` until trained weights ship; a banner says so).
+
+Output: reasoning dimmed (labelled ``[thinking]`` when stdout is not a terminal), then the
+answer; tool calls as JSON lines; a timing line (prefill tok/s, decode tok/s) on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import unicodedata
+from pathlib import Path
+
+import jax
+
+from ..chat import (ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
+                    apply_chat_template)
+from ..generate import DEFAULT_MODEL, ChatSession, Engine, SamplingParams, load_model
+from ._common import add_distributed_arguments, cli_context
+
+DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
+
+
+def _printable(text: str) -> str:
+    """Control characters (random weights emit any byte) shown escaped, not executed."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else f"\\x{ord(c):02x}"
+                   for c in text)
+
+
+class EventPrinter:
+    """Writes parser events: reasoning dimmed, content plain, tool calls as JSON lines."""
+
+    def __init__(self, out, color: bool):
+        self.out, self.color = out, color
+        self.section = None
+        self._calls: dict[int, list] = {}
+
+    def _enter(self, section: str) -> None:
+        if section == self.section:
+            return
+        if self.section == "reasoning" and self.color:
+            self.out.write(RESET)
+        if self.section is not None:
+            self.out.write("\n")
+        if section == "reasoning":
+            self.out.write(DIM if self.color else "[thinking] ")
+        elif section == "content" and not self.color:
+            self.out.write("[answer] ")
+        self.section = section
+
+    def event(self, ev) -> None:
+        if isinstance(ev, ReasoningDelta):
+            self._enter("reasoning")
+            self.out.write(_printable(ev.text))
+        elif isinstance(ev, ContentDelta):
+            self._enter("content")
+            self.out.write(_printable(ev.text))
+        elif isinstance(ev, ToolCallStart):
+            self._calls[ev.index] = [ev.id, ev.name, ""]
+        elif isinstance(ev, ToolCallArgsDelta):
+            self._calls[ev.index][2] += ev.arguments
+        elif isinstance(ev, ToolCallEnd):
+            cid, name, args = self._calls.pop(ev.index)
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+            self._enter("tools")
+            line = json.dumps({"tool_call": {"id": cid, "name": name, "arguments": args}},
+                              ensure_ascii=False)
+            self.out.write((BOLD + line + RESET if self.color else line) + "\n")
+            self.section = "tools_done"
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.section == "reasoning" and self.color:
+            self.out.write(RESET)
+        if self.section not in (None, "tools_done"):
+            self.out.write("\n")
+        self.section = None
+        self.out.flush()
+
+
+# ---- shared setup ---------------------------------------------------------------------
+def _enable_compile_cache() -> None:
+    """Persistent XLA cache so a second run skips compilation (K31JAX_COMPILE_CACHE=0: off)."""
+    where = os.environ.get("K31JAX_COMPILE_CACHE", "")
+    if where == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    path = where or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                 "k31jax", "xla")
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except (OSError, AttributeError):
+        pass
+
+
+def _engine(args):
+    _enable_compile_cache()
+    loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
+                        tokenizer=args.tokenizer)
+    if loaded.banner:
+        print(f"[k31jax] {loaded.banner}", file=sys.stderr)
+    model = args.sharding.place(loaded.model) if getattr(args, "sharding", None) else loaded.model
+    return Engine(model, loaded.tokenizer, max_len=args.max_len,
+                  prefill_chunk=args.prefill_chunk)
+
+
+def _params(args):
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
+
+
+def _color(args, stream) -> bool:
+    if args.color == "auto":
+        return stream.isatty() and os.environ.get("NO_COLOR") is None
+    return args.color == "always"
+
+
+def _timing(result) -> None:
+    print(f"[k31jax] {result.timing_line()}", file=sys.stderr)
+
+
+# ---- generate -------------------------------------------------------------------------
+def _cmd_generate(args) -> int:
+    engine = _engine(args)
+    tok = engine.tokenizer
+    thinking = not args.no_think
+    if args.raw:
+        prompt = tok.encode(args.prompt)
+        if tok.bos_id is not None:
+            prompt = [tok.bos_id] + prompt
+    else:
+        prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}],
+                                     thinking=thinking, thinking_effort=_effort(args))
+    out = sys.stdout
+    printer = EventPrinter(out, _color(args, out))
+    kwargs = dict(stop=tuple(args.stop), parse=not args.raw,
+                  thinking_budget=args.thinking_budget if thinking and not args.raw else None)
+    if args.stream:
+        for delta in engine.stream([prompt], args.max_new_tokens, _params(args), **kwargs):
+            if args.raw:
+                out.write(_printable(delta.text))
+                out.flush()
+            for ev in delta.events:
+                printer.event(ev)
+        result = engine.last_result
+    else:
+        result = engine.generate([prompt], args.max_new_tokens, _params(args), **kwargs)
+        comp = result.completions[0]
+        if args.raw:
+            out.write(_printable(comp.text))
+        else:
+            _print_parsed(printer, comp.parsed)
+    if args.raw:
+        out.write("\n")
+    printer.end()
+    comp = result.completions[0]
+    extra = f", thinking {comp.thinking_tokens} tok" if comp.thinking_tokens is not None else ""
+    print(f"[k31jax] finish: {comp.finish_reason}, {len(comp.tokens)} new tokens{extra}",
+          file=sys.stderr)
+    _timing(result)
+    return 0
+
+
+def _print_parsed(printer: EventPrinter, parsed) -> None:
+    if parsed.reasoning_content:
+        printer.event(ReasoningDelta(parsed.reasoning_content))
+    if parsed.content:
+        printer.event(ContentDelta(parsed.content))
+    for i, c in enumerate(parsed.tool_calls):
+        for ev in (ToolCallStart(i, c.id, c.name), ToolCallArgsDelta(i, c.arguments), ToolCallEnd(i)):
+            printer.event(ev)
+
+
+# ---- chat -----------------------------------------------------------------------------
+CHAT_HELP = """commands: /exit, /reset, /history (messages as JSON), /effort low|high|max|none, /help
+After a turn with tool calls, type each result (JSON or text) at its prompt; an empty line
+skips the rest and returns to the user prompt."""
+
+
+def load_tools(path: str | None):
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "tools" in data:
+        data = data["tools"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of tools (OpenAI form) or {{\"tools\": [...]}}")
+    return [t if "function" in t else {"type": "function", "function": t} for t in data]
+
+
+def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, err=None) -> int:
+    """The REPL over `session` (a `ChatSession`), reading lines from `inp`."""
+    err = err or sys.stderr
+    printer = EventPrinter(out, color)
+
+    def ask(label: str) -> str | None:
+        if prompts:
+            out.write(label)
+            out.flush()
+        line = inp.readline()
+        return None if line == "" else line.rstrip("\n")
+
+    def turn(content) -> bool:
+        n = len(session.messages)
+        try:
+            for ev in session.stream(content):
+                printer.event(ev)
+        except ValueError as e:  # e.g. the history outgrew the cache: say so, keep going
+            printer.end()
+            del session.messages[n:]
+            print(f"[k31jax] error: {e}", file=err)
+            return False
+        printer.end()
+        t = session.last
+        print(f"[k31jax] finish: {t.completion.finish_reason}; {t.result.timing_line()}", file=err)
+        return True
+
+    while True:
+        line = ask("you> ")
+        if line is None:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.messages = [m for m in session.messages[:1] if m["role"] == "system"]
+                out.write("(history cleared)\n")
+            elif cmd == "/history":
+                out.write(json.dumps(session.messages, ensure_ascii=False, indent=1) + "\n")
+            elif cmd == "/effort":
+                session.effort = None if arg.strip() in ("", "none") else arg.strip()
+                out.write(f"(effort: {session.effort})\n")
+            else:
+                out.write(CHAT_HELP + "\n")
+            continue
+        if not turn(text):
+            continue
+        while session.pending_tool_calls():
+            stop = False
+            for call in session.pending_tool_calls():
+                res = ask(f"tool {call['function']['name']} ({call['id']}) result> ")
+                if res is None or not res.strip():
+                    stop = True
+                    break
+                session.add_tool_result(call["id"], res.strip())
+            if stop or session.pending_tool_calls() or not turn(None):
+                break
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    engine = _engine(args)
+    session = ChatSession(engine, system=args.system, tools=load_tools(args.tools),
+                          effort=_effort(args), thinking=not args.no_think, params=_params(args),
+                          max_new_tokens=args.max_new_tokens,
+                          thinking_budget=args.thinking_budget, stop=tuple(args.stop))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(CHAT_HELP, file=sys.stderr)
+    return run_chat(session, sys.stdin, sys.stdout, color=_color(args, sys.stdout),
+                    prompts=interactive)
+
+
+# ---- argparse -------------------------------------------------------------------------
+def _common(p) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint folder: Orbax (from `k31jax convert`) or safetensors")
+    src.add_argument("--config", default=DEFAULT_MODEL,
+                     help=f"preset for seeded random weights (default: {DEFAULT_MODEL})")
+    p.add_argument("--effort", choices=["low", "high", "max", "none"], default="max",
+                   help="thinking effort message (default: max; none: no effort message)")
+    p.add_argument("--no-think", action="store_true", help="thinking off (no think channel)")
+    p.add_argument("--thinking-budget", type=int, default=None,
+                   help="hard cap on thinking tokens; then the close-thinking marker is forced")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and the random weights' seed)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-len", type=int, default=4096, help="cache length (prompt + output)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill call")
+    p.add_argument("--tokenizer", default=None,
+                   help="folder with tiktoken.model (default: the --ckpt folder)")
+    p.add_argument("--dtype", default=None, help="parameter/activation dtype (Orbax default: bfloat16)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    _sharding_flags(p)
+
+
+def _sharding_flags(p) -> None:
+    """--coordinator / --num-processes / --process-id / --mesh ... (k31jax.sharding)."""
+    add_distributed_arguments(p)
+
+
+def _sharded(run):
+    """Run a command under `jax.distributed` settings and the --mesh, if given."""
+    def entry(args) -> int:
+        with cli_context(args) as ctx:
+            args.sharding = ctx
+            return run(args)
+    return entry
+
+
+def register(sub) -> None:
+    """`k31jax generate`."""
+    gen = sub.add_parser("generate", help="generate one answer (K3 chat format)")
+    _common(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--raw", action="store_true", help="no chat template: BOS + prompt text")
+    gen.set_defaults(func=_sharded(_cmd_generate_entry), max_new_tokens_default=32)
+
+
+def register_chat(sub) -> None:
+    """`k31jax chat`."""
+    chat = sub.add_parser("chat", help="interactive chat (history, tools, tool results)")
+    _common(chat)
+    chat.add_argument("--tools", help="JSON file: a list of tools in OpenAI form")
+    chat.add_argument("--system", help="system prompt")
+    chat.set_defaults(func=_sharded(_cmd_chat_entry), max_new_tokens_default=256)
+
+
+def _defaults(args):
+    if args.max_new_tokens is None:
+        args.max_new_tokens = args.max_new_tokens_default
+    return args
+
+
+def _cmd_generate_entry(args) -> int:
+    return _cmd_generate(_defaults(args))
+
+
+def _effort(args):
+    return None if args.effort == "none" else args.effort
+
+
+def _cmd_chat_entry(args) -> int:
+    return _cmd_chat(_defaults(args))

@@ -1,0 +1,117 @@
+"""`k31jax info` (parameter counts) and `k31jax plan` (per-device memory of inference, or with
+`--train` of a QAT fine-tuning step), both on paper."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..distributed import DEVICES, plan_memory, plan_training, suggest_mesh, suggest_training_mesh
+from ..distributed._plan import GB
+from ..distributed._plan_train import MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS
+from ..nn import REMAT_POLICIES
+from ..nn import count_params
+from ..sharding import RULE_TABLES, mesh_str
+
+
+def _config(spec: str) -> ModelConfig:
+    return ModelConfig.from_hf(spec) if Path(spec).exists() else ModelConfig.preset(spec)
+
+
+def _cmd_info(args) -> int:
+    cfg = _config(args.config)
+    counts = count_params(cfg)
+    print(f"{args.config}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
+          f"{len(cfg.mla_layers)} MLA{' + lightning indexer' if cfg.use_indexer else ''}), "
+          f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}, hidden {cfg.hidden_size}")
+    print(counts.table())
+    return 0
+
+
+def register_info(sub) -> None:
+    info = sub.add_parser("info", help="parameter counts and bytes of a config, on paper")
+    info.add_argument("--config", default="k31_pro", help="preset name or path to a config.json")
+    info.set_defaults(func=_cmd_info)
+
+
+_TRAIN_MAX_DEVICES = 4096
+
+
+def _cmd_plan_train(args, cfg: ModelConfig, name: str) -> int:
+    if args.expert_weights:
+        raise SystemExit("k31jax plan --train: --expert-weights does not apply (QAT trains float master experts)")
+    options = dict(trainable=args.trainable, optimizer=args.optimizer, master_dtype=args.master_dtype,
+                   remat=args.remat, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                   grad_accum=args.grad_accum, vocab_chunk=args.vocab_chunk)
+    p = dataclasses.replace(plan_training(cfg, args.mesh, rules=args.rules, **options), config_name=name)
+    print(p.table(args.device, args.usable))
+    label, cap = DEVICES[args.device]
+    verdict = "fits" if p.fits(args.device, args.usable) else "does NOT fit"
+    print(f"\n{mesh_str(p.mesh)} on {label}: {p.total / GB:,.1f} GB per device of {cap * args.usable / GB:,.1f} "
+          f"usable -> {verdict}")
+    print(f"\nsmallest mesh that fits this step (candidates as for inference, up to {_TRAIN_MAX_DEVICES} devices):")
+    for dev in ([args.device] if not args.all_devices else list(DEVICES)):
+        s = suggest_training_mesh(cfg, dev, usable=args.usable, max_devices=_TRAIN_MAX_DEVICES, **options)
+        if s:
+            what = f"{mesh_str(s.mesh)} ({s.devices} devices, rules {s.rules_name}), {s.total / GB:,.1f} GB per device"
+        else:
+            tips = [t for t in ("--master-dtype bfloat16" if args.master_dtype != "bfloat16" else "",
+                                "a shorter --seq-len", "--remat full" if args.remat != "full" else "") if t]
+            what = (f"none: the activations alone take {p.activation_peak / GB:,.1f} GB per device here and barely "
+                    f"shrink with more devices; try {' or '.join(tips)}")
+        print(f"  {DEVICES[dev][0]:<12} {what}")
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    cfg = _config(args.config)
+    name = Path(args.config).stem if Path(args.config).exists() else args.config
+    if args.train:
+        return _cmd_plan_train(args, cfg, name)
+    if args.expert_weights:
+        cfg = cfg.replace(expert_weights=args.expert_weights)
+    p = plan_memory(cfg, args.mesh, batch=args.batch, context=args.context, chunk=args.chunk,
+                    prefill_batch=args.prefill_batch, rules=args.rules)
+    p = dataclasses.replace(p, config_name=name)
+    print(p.table(args.device, args.usable))
+    label, cap = DEVICES[args.device]
+    verdict = "fits" if p.fits(args.device, args.usable) else "does NOT fit"
+    print(f"\n{mesh_str(p.mesh)} on {label}: {p.total / GB:,.1f} GB per device of {cap * args.usable / GB:,.1f} "
+          f"usable -> {verdict}")
+    print("\nsmallest mesh that fits (candidates: one node with experts over `tensor`; expert x tensor; "
+          "fsdp x expert x tensor):")
+    for dev in ([args.device] if not args.all_devices else list(DEVICES)):
+        s = suggest_mesh(cfg, dev, batch=args.batch, context=args.context, chunk=args.chunk,
+                         prefill_batch=args.prefill_batch, usable=args.usable)
+        what = (f"{mesh_str(s.mesh)} ({s.devices} devices, rules {s.rules_name}), {s.total / GB:,.1f} GB per device"
+                if s else "none up to 1024 devices")
+        print(f"  {DEVICES[dev][0]:<12} {what}")
+    return 0
+
+
+def register_plan(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory of a config on a mesh, on paper")
+    p.add_argument("--config", default="k31_pro", help="preset name or path to a config.json")
+    p.add_argument("--mesh", default="expert=8,tensor=8", help="e.g. expert=8,tensor=8")
+    p.add_argument("--rules", default=None, choices=sorted(RULE_TABLES), help="default: from the mesh")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096, help="cache length (tokens)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    p.add_argument("--prefill-batch", type=int, default=None,
+                   help="sequences prefilled together (default: --batch)")
+    p.add_argument("--device", default="b300", choices=sorted(DEVICES))
+    p.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM (runtime reserve)")
+    p.add_argument("--expert-weights", choices=["mxfp4", "bf16"], default=None)
+    p.add_argument("--all-devices", action="store_true", help="suggest a mesh for every device type")
+    t = p.add_argument_group("--train: one QAT fine-tuning step (float master experts fake-quantised to MXFP4)")
+    t.add_argument("--train", action="store_true", help="plan a training step instead of inference")
+    t.add_argument("--trainable", choices=TRAINABLE_SETS, default="experts")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    t.add_argument("--master-dtype", choices=MASTER_DTYPES, default="float32", help="master (and compute) dtype")
+    t.add_argument("--remat", choices=REMAT_POLICIES, default="full", help="per-layer rematerialisation")
+    t.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row")
+    t.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--vocab-chunk", type=int, default=4096, help="the streamed loss's vocabulary chunk")
+    p.set_defaults(func=_cmd_plan)

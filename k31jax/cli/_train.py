@@ -1,0 +1,188 @@
+"""`k31jax train`, `k31jax eval` and `k31jax plot`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from ..distributed import initialize
+from ..nn import REMAT_POLICIES, quantize_experts
+from ..train import DataConfig, OptimConfig, TrainConfig, evaluate, load_any, plot_metrics
+from ..train._config import MASTER_DTYPES
+from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
+from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer
+
+# Settings a resumed run may change; everything else must stay as the run was started.
+_RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches")
+
+
+def _fail(cmd: str, message: str, code: int = 1) -> int:
+    print(f"k31jax {cmd}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _config_from_args(args) -> TrainConfig:
+    data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                      holdout_fraction=args.holdout_fraction)
+    warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
+    optim = OptimConfig(optimizer=args.optimizer, learning_rate=args.lr, warmup_steps=warmup,
+                        total_steps=args.steps, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+                        clip_norm=args.clip_norm or None, trainable=args.trainable)
+    return TrainConfig(out=args.out, data=data, optim=optim, steps=args.steps, model=args.config, init=args.init,
+                       tokenizer=args.tokenizer, dtype=args.dtype, qat=args.qat,
+                       mxfp8_activations=args.mxfp8_activations, grad_accum=args.grad_accum, remat=args.remat,
+                       vocab_chunk=args.vocab_chunk, z_loss=args.z_loss, bias_update_rate=args.bias_update_rate,
+                       balance_loss=args.balance_loss, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                       save_every=args.save_every, keep=args.keep, log_every=args.log_every,
+                       eval_every=args.eval_every, eval_batches=args.eval_batches, mesh=args.mesh,
+                       rules=args.rules, seed=args.seed)
+
+
+def _resumed_config(args) -> TrainConfig:
+    saved = TrainConfig.from_json(json.loads((Path(args.out) / RUN_FILE).read_text()))
+    changes = {name: getattr(args, name) for name in _RESUMABLE if getattr(args, name) is not None}
+    return dataclasses.replace(saved, **changes)
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    """Defaults of the settings a --resume may override (None: keep the run's own)."""
+    for name, value in (("save_every", 100), ("keep", 3), ("log_every", 1), ("eval_every", 0),
+                        ("eval_batches", 16)):
+        if getattr(args, name, None) is None and not getattr(args, "resume", False):
+            setattr(args, name, value)
+
+
+def _cmd_train(args) -> int:
+    _defaults(args)
+    try:
+        initialize()  # multi-host when K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID are set
+        if args.resume:
+            if not (Path(args.out) / RUN_FILE).exists():
+                return _fail("train", f"--resume: {args.out} holds no training run ({RUN_FILE} missing)")
+            cfg = _resumed_config(args)
+        else:
+            missing = [flag for flag, value in (("--data", args.data), ("--steps", args.steps)) if not value]
+            if missing:
+                return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
+            cfg = _config_from_args(args)
+        trainer = Trainer(cfg, resume=args.resume)
+        result = trainer.run(progress=not args.no_progress, export=not args.no_export)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        if args.debug:
+            raise
+        return _fail("train", str(e))
+    if result.interrupted:
+        print(f"[k31jax] stopped by a signal at step {result.step}; checkpoint saved, continue with --resume",
+              file=sys.stderr)
+        return SIGTERM_EXIT
+    held_out = f"; held-out {result.eval.line()}" if result.eval else " (no held-out split)"
+    print(f"step {result.step}: train loss {float(result.last_metrics['loss']):.4f}{held_out}")
+    if result.final_dir is not None:
+        print(f"exported: {result.final_dir / 'release'} (release layout), {result.final_dir / 'orbax'} (k31jax Orbax)")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    try:
+        model, tokenizer, source = load_any(args.ckpt, tokenizer=args.tokenizer)
+        if args.quantize_experts:
+            if not model.config.moe_layers or model.config.expert_weights == "mxfp4":
+                return _fail("eval", "--quantize-experts needs a model with float routed experts")
+            model = quantize_experts(model)
+        data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size,
+                          holdout_fraction=args.holdout_fraction)
+        result = evaluate(model, tokenizer, data, max_batches=args.max_batches, split=args.split)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        if args.debug:
+            raise
+        return _fail("eval", str(e))
+    what = " (routed experts rounded to MXFP4 after training)" if args.quantize_experts else ""
+    print(f"{source}{what}, {args.split} split of {', '.join(args.data)}: {result.line()}")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    try:
+        out = plot_metrics(args.runs, args.output, keys=tuple(args.keys.split(",")),
+                           labels=args.labels.split(",") if args.labels else None)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return _fail("plot", str(e))
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub) -> None:
+    t = sub.add_parser("train", help="(QAT) fine-tune or train a model; checkpoints, metrics, MXFP4 export",
+                       description="Train on text files / JSONL chat transcripts packed into fixed-length rows. "
+                                   "Checkpoints every --save-every steps (Orbax, asynchronous), resume bit-exact "
+                                   "with --resume; SIGTERM saves and exits 143.")
+    t.add_argument("--config", default="tiny", help="preset or config.json for a model from random weights")
+    t.add_argument("--init", default=None, help="start from a checkpoint: converted Orbax, release safetensors "
+                                                "folder, or a training run's --out")
+    t.add_argument("--tokenizer", default=None, help="folder with tiktoken.model (default: byte-level)")
+    t.add_argument("--data", nargs="+", default=None, help="text files, .jsonl chat transcripts or folders")
+    t.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl, tb/, final/)")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps in all")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    t.add_argument("--qat", action="store_true", help="fake-quantise routed experts to MXFP4 (straight-through)")
+    t.add_argument("--mxfp8-activations", action="store_true", help="also round expert GEMM inputs to MXFP8")
+    t.add_argument("--dtype", default="float32", choices=MASTER_DTYPES, help="master weights (default float32)")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=8, help="packed rows per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup", type=int, default=None, help="warmup steps (default: min(20, steps / 10))")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip (0: off)")
+    t.add_argument("--trainable", default="all", choices=TRAINABLE_SETS)
+    t.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters only")
+    t.add_argument("--lora-alpha", type=float, default=16.0)
+    t.add_argument("--remat", default="none", choices=REMAT_POLICIES)
+    t.add_argument("--vocab-chunk", type=int, default=4096)
+    t.add_argument("--z-loss", type=float, default=0.0)
+    t.add_argument("--bias-update-rate", type=float, default=1e-3, help="router bias sign-update rate (0: off)")
+    t.add_argument("--balance-loss", type=float, default=0.0, help="sequence-level balance loss weight")
+    t.add_argument("--holdout-fraction", type=float, default=0.05)
+    t.add_argument("--save-every", type=int, default=None)
+    t.add_argument("--keep", type=int, default=None)
+    t.add_argument("--log-every", type=int, default=None)
+    t.add_argument("--eval-every", type=int, default=None)
+    t.add_argument("--eval-batches", type=int, default=None)
+    t.add_argument("--mesh", default=None, help="train sharded on this mesh, e.g. data=2,fsdp=4")
+    t.add_argument("--rules", default=None, help="rule table (default: from the mesh)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-export", action="store_true", help="skip the final release / Orbax export")
+    t.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("eval", help="held-out loss and bits per byte of a checkpoint (or the embedded model)")
+    e.add_argument("--ckpt", default=None, help="training run --out, converted Orbax, or safetensors folder")
+    e.add_argument("--tokenizer", default=None)
+    e.add_argument("--data", nargs="+", required=True)
+    e.add_argument("--split", default="heldout", choices=("heldout", "all", "train"),
+                   help="heldout: the documents training held out; all: every document")
+    e.add_argument("--holdout-fraction", type=float, default=0.05)
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--max-batches", type=int, default=None)
+    e.add_argument("--quantize-experts", action="store_true",
+                   help="round float routed experts to MXFP4 first (the post-training-quantisation baseline)")
+    e.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    e.add_argument("--debug", action="store_true")
+    e.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("plot", help="loss curves of training runs (matplotlib)")
+    p.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files")
+    p.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
+    p.add_argument("--keys", default="loss,eval_loss", help="comma-separated metric names")
+    p.add_argument("--labels", default=None, help="comma-separated run labels")
+    p.set_defaults(func=_cmd_plot)
+

@@ -1,0 +1,28 @@
+"""Placing the model on meshes: sharded init and restore, cache placement, the per-device
+memory planner, and multi-process setup (`jax.distributed`).
+
+Typical use::
+
+    from k31jax import distributed, sharding
+    mesh = sharding.make_mesh(expert=4, tensor=2)                # Auto axes data/fsdp/expert/tensor
+    model = distributed.init_sharded(cfg, mesh)                  # only local shards materialise
+    model = distributed.load_sharded(orbax_dir, mesh)            # or: restore a converted checkpoint
+    cache = distributed.init_sharded_cache(cfg, batch, max_len, mesh)
+    with sharding.activate(mesh):                                # mesh + its rule table
+        logits, cache = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)
+    print(distributed.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20).table("b300"))
+"""
+
+from ._initialize import initialize
+from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_specs, describe, init_sharded,
+                         init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
+                         state_shardings, state_specs)
+from ._plan import DEVICES, MemoryPlan, plan_memory, suggest_mesh
+from ._plan_train import TrainingMemoryPlan, plan_training, suggest_training_mesh
+
+__all__ = [
+    "DEVICES", "MemoryPlan", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "cache_shardings",
+    "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "load_sharded", "logical_axes",
+    "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
+    "suggest_mesh", "suggest_training_mesh",
+]

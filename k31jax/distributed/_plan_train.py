@@ -1,0 +1,470 @@
+"""Per-device memory of one QAT fine-tuning step on a mesh, on paper (`k31jax plan --train`).
+
+What `k31jax.train` holds per device during `train_step`, term by term:
+
+- **master weights**: every parameter in the master dtype (the training form: routed experts
+  as float master weights, not MXFP4-packed; float32 leaves such as the KDA convs, `A_log`,
+  `dt_bias` and the router bias stay float32), split as the rule table splits them. Exact.
+- **gradients**: `train_step` differentiates only the trained leaves (the trainer splits the
+  parameters into the frozen rest and the trained sub-tree), so gradients exist for what
+  `trainable` selects alone. Exact. With `grad_accum > 1` the scan over micro-batches also
+  carries an accumulator of the same size.
+- **optimizer state** (the `multi_transform` of `k31jax.train.make_optimizer`): AdamW keeps
+  two moments per trained leaf in the leaf's dtype (optax's `mu_dtype=None`); Muon one
+  momentum per Muon matrix and AdamW moments for the other trained leaves; frozen leaves
+  (`set_to_zero`) and the router bias (never trained by gradient) keep nothing. Plus the
+  optax step counters. Exact; the labels mirror `k31jax.train.param_labels` (checked in
+  tests/test_plan_train.py).
+- **activations** for one micro-batch of `micro_batch` rows x `seq_len` tokens: an analytic
+  estimate of the values JAX saves for the backward pass (`jax.ad_checkpoint` residuals) of
+  this implementation's XLA paths (what a multi-device mesh runs), derived from the code:
+    * the layer stack is one `lax.scan` whose step switches KDA / MLA and dense / MoE with
+      `lax.cond`; a differentiated `cond` saves the residuals of *both* branches, so every
+      layer saves a KDA + MLA and a dense + MoE set (when the model has both kinds);
+    * remat "none": every layer's intermediates, plus the per-layer weight slices its matmuls
+      read back (the stacked weights are sliced inside the step) and the QAT fake-quantised
+      expert copies, for all layers;
+    * "dots": each layer's input carry (partial sum + AttnRes block buffer) and the outputs of
+      its plain matmuls; the rest of one layer is recomputed during the backward pass;
+    * "full": only each layer's input carry; one layer is recomputed at a time;
+    * the chunked loss's working set (one `[N, vocab_chunk]` fp32 logits block and its
+      gradient, assumed unsplit) comes before the layer backward, the optimizer update (one
+      leaf's update buffer at a time) after it: the total takes the largest phase.
+  Per device: the batch divides by the mesh axes the `batch` rule gives it, heads and
+  intermediates by `tensor`, experts and their dispatch buffers by the expert-parallel plan
+  (`k31jax.ops.make_ep_plan`, worst-case receive capacity). The KDA and attention internals
+  are counted in fp32 (their XLA paths compute there), the rest in the master dtype, which is
+  also the compute dtype of a training run. tests/test_plan_train.py checks the saved terms
+  within 5% of `saved_residuals` of a small model (and of one expert-parallel MoE layer on
+  a CPU mesh). XLA's own fusion and buffer reuse are not modelled: read the activations as
+  the saved-residual footprint, not a profiler's peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..nn import REMAT_POLICIES, MLAMixer
+from ..ops import make_ep_plan
+from ..sharding import Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh, rules_for_mesh
+from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _rules_name, _shard_bytes,
+                    candidate_meshes)
+
+TRAINABLE_SETS = ("all", "experts", "indexer", "no_embed")
+OPTIMIZERS = ("adamw", "muon")
+MASTER_DTYPES = ("float32", "bfloat16")
+
+# optax step counters of `make_optimizer`: AdamW (decay / no-decay groups) 2 x (Adam count +
+# schedule count) int32; Muon adds its own count, schedule count, Adam-side counts and the
+# 3 float32 Newton-Schulz coefficients.
+_COUNTER_BYTES = {"adamw": 16, "muon": 44}
+_F32 = 4
+# The trainable sets and Muon's choice of matrices, as `k31jax.train._optim` makes them.
+_ROUTED_EXPERTS = re.compile(r"moe/w_(gate|up|down)(/(packed|scale))?")
+_TRAINED = {
+    "all": lambda p: True,
+    "experts": lambda p: _ROUTED_EXPERTS.fullmatch(p) is not None,
+    "indexer": lambda p: re.fullmatch(r"mla/indexer/.*", p) is not None,
+    "no_embed": lambda p: re.fullmatch(r"embed|lm_head", p) is None,
+}
+_BATCH_AXES = ("layers", "expert")
+_KINDS = ("kda", "mla", "dense", "moe")
+
+
+def _label(path: str, names: tuple, dtype, trainable: str, optimizer: str) -> str:
+    """"frozen", "muon" or "adamw" for one leaf (see `k31jax.train.param_labels`)."""
+    if (not jnp.issubdtype(dtype, jnp.floating) or re.fullmatch(r"(.*/)?gate_bias", path)
+            or not _TRAINED[trainable](path)):
+        return "frozen"
+    batch = sum(a in _BATCH_AXES for a in names)
+    is_matrix = (len(names) - batch == 2 and all(a in _BATCH_AXES for a in names[:batch])
+                 and not {"vocab", "conv"} & set(names))
+    return "muon" if optimizer == "muon" and is_matrix else "adamw"
+
+
+def training_config(cfg: ModelConfig, master_dtype: str) -> ModelConfig:
+    """The model as `k31jax.train` trains it: float master experts in `master_dtype`, QAT on."""
+    return cfg.replace(expert_weights="bf16", dtype=master_dtype, expert_qat=bool(cfg.moe_layers))
+
+
+def state_bytes(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, trainable: str,
+                optimizer: str) -> dict[str, int]:
+    """Per-device bytes of master weights, gradients and optimizer moments, each split into the
+    routed experts and everything else (`cfg` already in its training form)."""
+    out = {f"{what}_{part}": 0 for what in ("weights", "grads", "moments") for part in ("experts", "rest")}
+    out["trained"] = out["largest_trained"] = 0
+    for path, shape, dtype, names in _param_leaves(cfg):
+        name = "/".join(path)
+        n = _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules), mesh_shape)
+        part = "experts" if _ROUTED_EXPERTS.fullmatch(name) else "rest"
+        label = _label(name, names, dtype, trainable, optimizer)
+        out["weights_" + part] += n
+        out["moments_" + part] += {"frozen": 0, "muon": 1, "adamw": 2}[label] * n
+        if label != "frozen":
+            out["grads_" + part] += n
+            out["trained"] += n
+            out["largest_trained"] = max(out["largest_trained"], n)
+    out["counters"] = _COUNTER_BYTES[optimizer]
+    return out
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """One device's share of a micro-batch: tokens, heads and widths after the rules split them."""
+
+    cfg: ModelConfig
+    mesh_shape: Mapping[str, int]
+    rules: Rules
+    micro_batch: int
+    seq_len: int
+
+    def split(self, name: str, size: int) -> float:
+        return size / _factor(name, size, self.mesh_shape, self.rules)
+
+    @property
+    def rows(self) -> float:
+        return self.split("batch", self.micro_batch)
+
+    @property
+    def tokens(self) -> float:
+        return self.rows * self.seq_len
+
+    @property
+    def act(self) -> int:
+        return jnp.dtype(self.cfg.dtype).itemsize
+
+
+def _kda(loc: _Local) -> tuple[float, float]:
+    """(all residuals, matmul outputs) of one KDA layer, XLA chunked form with segments."""
+    cfg, a, f = loc.cfg, loc.act, _F32
+    h, dk, c_sz, k = loc.split("act_heads", cfg.kda_num_heads), cfg.kda_head_dim, cfg.kda_chunk_size, cfg.kda_conv_size
+    c = h * dk
+    padded = loc.rows * math.ceil(loc.seq_len / c_sz) * c_sz
+    # per chunk row and head: each of the two unit-lower solves (rhs v, rhs k) keeps two
+    # [C, d] copies per substitution step, the pairwise decay [C, dk] and its mask, and four
+    # [C] fp32 rows (kk, attn, ...) and one mask
+    scan = padded * h * c_sz * (f * (2 * dk + 2 * dk + dk) + dk + 4 * f + 1)
+    # the chunked q, k, v, g, beta and per-chunk products; the loop-invariant [C, C, dk] decay
+    scan += padded * c * (11 * f + 3) + loc.rows * h * c_sz * c_sz * (dk + 1) * f
+    convs = loc.tokens * c * ((6 * k + 27) * f + 3 * k + 6)  # conv taps, SiLU, gates, L2 norms, gated norm
+    dots = loc.tokens * (5 * c + h + dk) * a  # q, k, v, f_b, g | b_proj | f_a
+    return scan + convs + loc.tokens * cfg.hidden_size * a, dots  # + the layer's normalised input
+
+
+def _mla(loc: _Local) -> tuple[float, float]:
+    """(all residuals, matmul outputs) of one MLA (+ indexer) layer, as `MLAMixer` trains."""
+    cfg, a, f = loc.cfg, loc.act, _F32
+    h, t, n = loc.split("act_heads", cfg.num_attention_heads), loc.seq_len, loc.tokens
+    dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_lora = cfg.q_lora_rank or 0
+    per_token = h * (dn + dr) * a + h * dv * (5 * f + 1) + 3 * q_lora * a + 2 * r * a + cfg.hidden_size * a
+    dots = n * (q_lora + h * (dn + dr) + r + dr + h * dv) * a  # q_a, q_b, kv_a, g_proj
+    select = cfg.use_indexer and cfg.index_topk < t
+    if select:  # the fp32 index queries, key and head weights, kept for the recomputed selection
+        hi = cfg.index_n_heads / _factor("index_heads", cfg.index_n_heads * cfg.index_head_dim, loc.mesh_shape,
+                                         loc.rules)
+        dots += n * (hi * (cfg.index_head_dim + 1) + cfg.index_head_dim) * f
+    if select and t * t > MLAMixer.mask_path_max_elements:  # gather form: selected latent rows
+        k = cfg.index_topk
+        per_token += 2 * h * r * f + k * (r + dr) * f + 4 * k + h * k * (3 * f + 1)
+        return n * per_token, dots
+    # naive form: per-head keys / values from the latent, [T, T] logits
+    per_token += h * (dn + dv) * a
+    logits = loc.rows * t * t * (h * (3 * f + 1) + (1 if select else 0))
+    return n * per_token + logits, dots + n * h * (dn + dv) * a
+
+
+def _dense(loc: _Local) -> tuple[float, float]:
+    cfg, a = loc.cfg, loc.act
+    i = loc.split("mlp", cfg.intermediate_size)
+    return loc.tokens * (i * (7 * _F32 + a) + cfg.hidden_size * a), loc.tokens * 2 * i * a
+
+
+def _moe(loc: _Local) -> tuple[float, float, float]:
+    """(all residuals, matmul outputs, the fake-quantised local experts) of one MoE layer."""
+    cfg, a, f = loc.cfg, loc.act, _F32
+    e, i, ell, k, d = (cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim, cfg.num_experts_per_token,
+                       cfg.hidden_size)
+    sds = jax.ShapeDtypeStruct
+    up, down = sds((e, i, ell), jnp.dtype(cfg.dtype)), sds((e, ell, i), jnp.dtype(cfg.dtype))
+    plan = make_ep_plan(loc.micro_batch * loc.seq_len, (up, up, down), exchange="dense",
+                        mesh=abstract_mesh(loc.mesh_shape), rules=loc.rules)
+    if plan is None:  # one device's ragged path: every assignment, all experts
+        rows = returned = loc.tokens * k
+        e_loc, i_loc, received = e, i, 0
+    else:  # expert parallel: a worst-case receive buffer for every peer's assignments
+        returned = loc.micro_batch * loc.seq_len / math.prod(loc.mesh_shape[ax] for ax in plan.token_axes) * k
+        rows, e_loc, i_loc = plan.ep_size * returned, e // plan.ep_size, i / plan.tp_size
+        received = ell * (a + 2 * f)  # the received rows and the fp32 outputs sent back
+    glu = 7 * f + a  # the SiTU / SwiGLU fp32 island
+    experts = rows * (ell * a + received + ell + i_loc * glu + 8) + returned * (ell * (3 * f + 1) + 8)
+    si = cfg.shared_intermediate_size
+    si_loc = loc.split("mlp", si) if si else 0
+    n = loc.tokens
+    router = e * f + k * (2 * f + 4) + 2 * f + (d * f if a < f else 0)  # scores, choice, fp32 input
+    outside = n * (router + ell * (f + 2 * a) + si_loc * glu + d * a)     # + latent sum / norm, shared GLU
+    dots = n * (e * (f if a < f else a) + (ell + 2 * si_loc) * a)  # router, latent down, shared gate / up
+    fake_quant = 3 * e_loc * i_loc * ell * a
+    return experts + outside, dots, fake_quant
+
+
+def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules) -> float:
+    """One layer's slice of every stacked kind's weights (routed experts excluded), per device:
+    what a layer saves for its matmuls' backward without remat (both `cond` branches')."""
+    out = 0.0
+    for path, shape, dtype, names in _param_leaves(cfg):
+        if path[0] in _KINDS and not _ROUTED_EXPERTS.fullmatch("/".join(path)):
+            out += _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules), mesh_shape) / shape[0]
+    return out
+
+
+def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, *, remat: str, seq_len: int,
+                     micro_batch: int, vocab_chunk: int = 4096) -> dict[str, float]:
+    """The activation terms of one micro-batch (`cfg` in its training form), per device:
+    `saved_*` live through the backward pass, `layer_backward` / `loss_chunk` are transient."""
+    loc = _Local(cfg, dict(mesh_shape), rules, micro_batch, seq_len)
+    a, n, d, layers = loc.act, loc.tokens, cfg.hidden_size, cfg.num_hidden_layers
+    kinds = {"kda": _kda(loc) if cfg.kda_layers else (0, 0), "mla": _mla(loc) if cfg.mla_layers else (0, 0),
+             "dense": _dense(loc) if cfg.dense_layers else (0, 0)}
+    moe_all, moe_dots, fake_quant = _moe(loc) if cfg.moe_layers else (0, 0, 0)
+    kinds["moe"] = (moe_all, moe_dots)
+    slots = cfg.num_attn_res_slots
+    attn_res = 4 * (slots + 1) * n * d * _F32 if cfg.use_attn_res else 0  # two mixes: candidates, normalised
+    layer_all = sum(v[0] for v in kinds.values()) + attn_res + 6 * n * d * a  # + norms and partial sums
+    # + the mixes' fp32 scores and one [N, D] product the recomputation starts from
+    layer_dots = sum(v[1] for v in kinds.values()) + (2 * (slots + 1) * n * _F32 if cfg.use_attn_res else 0) + n * d * a
+    carry = (slots + 1) * n * d * a
+    out = {"saved_carry": 0.0, "saved_intermediates": 0.0, "saved_weight_slices": 0.0, "fake_quant": 0.0,
+           "layer_backward": 0.0}
+    if remat == "none":
+        out["saved_intermediates"] = layers * layer_all
+        out["saved_weight_slices"] = layers * _layer_slice_bytes(cfg, mesh_shape, rules)
+        out["fake_quant"] = layers * fake_quant
+        out["layer_backward"] = 2 * carry  # the cotangents flowing into and out of the layer
+    else:
+        out["saved_carry"] = layers * carry
+        out["saved_intermediates"] = layers * layer_dots if remat == "dots" else 0.0
+        out["layer_backward"] = layer_all - (layer_dots if remat == "dots" else 0.0) + 2 * carry
+        out["fake_quant"] = fake_quant
+    # outside the scan: embedding, output AttnRes mix, final norm, the loss's saved inputs
+    out["saved_outside"] = n * d * (2 * a + (2 * (slots + 1) * _F32 if cfg.use_attn_res else 0) + 3 * _F32) + 16 * n
+    out["loss_chunk"] = n * (3 * min(vocab_chunk, cfg.vocab_size) + d) * _F32
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMemoryPlan:
+    """Per-device bytes of one training step (see the module docstring for each term)."""
+
+    config_name: str
+    mesh: dict[str, int]
+    rules_name: str
+    trainable: str
+    optimizer: str
+    master_dtype: str
+    remat: str
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    layers: int
+    state: dict[str, int]
+    activations: dict[str, float]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def weights(self) -> int:
+        return self.state["weights_experts"] + self.state["weights_rest"]
+
+    @property
+    def gradients(self) -> int:
+        return self.state["trained"] * (2 if self.grad_accum > 1 else 1)
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.state["moments_experts"] + self.state["moments_rest"] + self.state["counters"]
+
+    @property
+    def saved_activations(self) -> int:
+        return int(sum(v for k, v in self.activations.items() if k.startswith("saved_")))
+
+    @property
+    def backward_peak(self) -> int:
+        """Saved residuals plus the larger transient: the loss chunk, or one layer's backward
+        (its recomputed intermediates, the carry cotangents and the fake-quantised experts)."""
+        act = self.activations
+        layer = act["layer_backward"] + (act["fake_quant"] if self.remat != "none" else 0)
+        saved = self.saved_activations + (act["fake_quant"] if self.remat == "none" else 0)
+        return saved + int(max(layer, act["loss_chunk"]))
+
+    @property
+    def update_transient(self) -> int:
+        """The optimizer update, after the activations are freed: one trained leaf's update
+        buffer at a time (the update is elementwise per leaf, applied in place to donated
+        buffers; a schedule that kept every leaf's update alive would need `state["trained"]`)."""
+        return self.state["largest_trained"]
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_state + self.activation_peak
+
+    def fits(self, device: str, usable: float = 0.9) -> bool:
+        return self.total <= DEVICES[device][1] * usable
+
+    @property
+    def activation_peak(self) -> int:
+        """What the activations phase adds on top of weights, gradients and optimizer state."""
+        return max(self.backward_peak, self.update_transient)
+
+    def table(self, device: str | None = None, usable: float = 0.9) -> str:
+        s, act, dt = self.state, self.activations, self.master_dtype
+        opt = "Muon momentum + AdamW moments" if self.optimizer == "muon" else "AdamW moments"
+        rows = [
+            (f"master weights: routed experts ({dt})", s["weights_experts"]),
+            (f"master weights: everything else ({dt}, f32 leaves f32)", s["weights_rest"]),
+            ("gradients: routed experts (trained)", s["grads_experts"]),
+            ("gradients: everything else (trained)", s["grads_rest"]),
+            ("gradient accumulator (grad_accum > 1)", self.gradients - s["trained"]),
+            (f"optimizer: {opt}, routed experts", s["moments_experts"]),
+            (f"optimizer: {opt}, everything else", s["moments_rest"]),
+            ("optimizer: step counters", s["counters"]),
+            (f"act. saved: layer inputs (prefix + AttnRes blocks) x {self.layers}", act["saved_carry"]),
+            (f"act. saved: layer intermediates x {self.layers}" + (" (matmul outputs)" if self.remat == "dots" else ""),
+             act["saved_intermediates"]),
+            (f"act. saved: per-layer weight slices x {self.layers}", act["saved_weight_slices"]),
+            ("act. saved: embedding, output mix, loss inputs", act["saved_outside"]),
+            ("act. QAT fake-quant experts, " + (f"x {self.layers}" if self.remat == "none" else "one layer"),
+             act["fake_quant"]),
+            ("act. one layer's backward (recompute + cotangents)", act["layer_backward"]),
+            ("act. loss: one vocab chunk of logits", act["loss_chunk"]),
+            ("optimizer update, largest trained leaf", self.update_transient),
+        ]
+        head = (f"{self.config_name} QAT fine-tune on {mesh_str(self.mesh)} ({self.devices} devices, rules "
+                f"{self.rules_name}): trainable {self.trainable}, {self.optimizer}, {dt} masters, remat "
+                f"{self.remat}, micro-batch {self.micro_batch} x {self.seq_len:,} tokens"
+                + (f", grad_accum {self.grad_accum}" if self.grad_accum > 1 else ""))
+        w = max(len(r[0]) for r in rows) + 2
+        lines = [head, f"{'per device':<{w}}{'bytes':>19}{'GB':>9}"]
+        lines += [f"{label:<{w}}{int(n):>19,}{n / GB:>9.2f}" for label, n in rows]
+        lines.append(f"{'total':<{w}}{self.total:>19,}{self.total / GB:>9.2f}")
+        lines.append("total = weights + gradients + optimizer + max(saved act. + max(fake-quant + one layer's "
+                     "backward, loss chunk), update)")
+        lines += [f"note: {n}" for n in self.notes]
+        lines += ["", f"{'device':<22}{'HBM GB':>8}{'usable GB':>11}  fits"]
+        for name, (label, cap) in DEVICES.items():
+            star = "  <-" if name == device else ""
+            lines.append(f"{label + ' (' + name + ')':<22}{cap / GB:>8.0f}{cap * usable / GB:>11.1f}  "
+                         f"{'yes' if self.fits(name, usable) else 'no'}{star}")
+        return "\n".join(lines)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"plan_training: {name}={value!r}, expected one of {choices}")
+
+
+def plan_training(
+    config: ModelConfig | str,
+    mesh: str | Mapping[str, int],
+    *,
+    trainable: str = "experts",
+    optimizer: str = "adamw",
+    master_dtype: str = "float32",
+    remat: str = "full",
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    vocab_chunk: int = 4096,
+    rules: Rules | str | None = None,
+) -> TrainingMemoryPlan:
+    """The per-device memory of one QAT fine-tuning step of `config` on `mesh` (no allocation):
+    master weights, gradients, optimizer state and the activations of one micro-batch of
+    `micro_batch` rows x `seq_len` tokens under `remat` (module docstring)."""
+    _check_choice("trainable", trainable, TRAINABLE_SETS)
+    _check_choice("optimizer", optimizer, OPTIMIZERS)
+    _check_choice("master_dtype", master_dtype, MASTER_DTYPES)
+    _check_choice("remat", remat, REMAT_POLICIES)
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum),
+                        ("vocab_chunk", vocab_chunk)):
+        if not (isinstance(value, (int, np.integer)) and value >= 1):
+            raise ValueError(f"plan_training: {name}={value!r}, expected an int >= 1")
+    name = config if isinstance(config, str) else "model"
+    cfg = ModelConfig.preset(config) if isinstance(config, str) else config
+    cfg = training_config(cfg, master_dtype)
+    shape = parse_mesh(mesh)
+    rules = get_rules(rules) or rules_for_mesh(shape)
+    return TrainingMemoryPlan(
+        name, shape, _rules_name(rules), trainable, optimizer, master_dtype, remat, seq_len, micro_batch, grad_accum,
+        cfg.num_hidden_layers, state_bytes(cfg, shape, rules, trainable, optimizer),
+        activation_terms(cfg, shape, rules, remat=remat, seq_len=seq_len, micro_batch=micro_batch,
+                         vocab_chunk=vocab_chunk),
+        _notes(cfg, shape, rules, micro_batch))
+
+
+def _qat_refusal(cfg: ModelConfig, mesh_shape, rules) -> str | None:
+    """Why `k31jax.ops.ep_routed_experts` would refuse QAT on this mesh, or None."""
+    if not cfg.moe_layers:
+        return None
+    if cfg.num_experts % mesh_shape.get("expert", 1):
+        return f"expert={mesh_shape['expert']} does not divide num_experts={cfg.num_experts}"
+    e, i, ell = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
+    sds = jax.ShapeDtypeStruct((e, i, ell), jnp.float32)
+    plan = make_ep_plan(1, (sds, sds, jax.ShapeDtypeStruct((e, ell, i), jnp.float32)), exchange="dense",
+                        mesh=abstract_mesh(mesh_shape), rules=rules)
+    if plan is not None and plan.tp_size > 1 and (i // plan.tp_size) % 32:
+        return (f"QAT cannot run here: the expert intermediate splits into {i // plan.tp_size}-wide shards, not a "
+                "multiple of the MX 32-blocks (ep_routed_experts raises)")
+    return None
+
+
+def _notes(cfg: ModelConfig, mesh_shape, rules, micro_batch: int) -> tuple[str, ...]:
+    notes = [n for n in (_qat_refusal(cfg, mesh_shape, rules),) if n]
+    batch = dict(rules).get("batch") or ()
+    axes = [ax for ax in ((batch,) if isinstance(batch, str) else batch) if mesh_shape.get(ax, 1) > 1]
+    ways = math.prod(mesh_shape[ax] for ax in axes)
+    split = _factor("batch", micro_batch, mesh_shape, rules)
+    if ways > split:
+        how = "is not split" if split == 1 else f"is split only {split} ways"
+        notes.append(f"the {micro_batch}-row micro-batch {how} over the batch axes ({', '.join(axes)}: {ways} ways), "
+                     f"so devices repeat each other's rows; a multiple of {ways} rows gives each its own")
+    return tuple(notes)
+
+
+def suggest_training_mesh(config: ModelConfig | str, device: str, *, usable: float = 0.9, max_devices: int = 4096,
+                          **options) -> TrainingMemoryPlan | None:
+    """The smallest candidate mesh (`candidate_meshes`) on which `plan_training(config, mesh,
+    **options)` fits `device`: fewest devices, then EP layouts before FSDP ones, then least
+    memory. Meshes the QAT expert-parallel path refuses (an expert intermediate shard not a
+    multiple of the 32-blocks) and expert counts the `expert` axis does not divide are skipped."""
+    cfg = ModelConfig.preset(config) if isinstance(config, str) else config
+    _check_choice("master_dtype", options.get("master_dtype", "float32"), MASTER_DTYPES)
+    train_cfg = training_config(cfg, options.get("master_dtype", "float32"))
+    best = None
+    for mesh, rules in candidate_meshes(max_devices):
+        if best is not None and math.prod(mesh.values()) > best.devices:
+            break
+        if _qat_refusal(train_cfg, parse_mesh(mesh), get_rules(rules)):
+            continue
+        p = plan_training(cfg, mesh, rules=rules, **options)
+        p = dataclasses.replace(p, config_name=config if isinstance(config, str) else "model")
+        key = (_RULE_PREFERENCE.get(p.rules_name, 3), p.total)
+        if p.fits(device, usable) and (best is None or key < (_RULE_PREFERENCE.get(best.rules_name, 3), best.total)):
+            best = p
+    return best

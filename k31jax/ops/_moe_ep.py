@@ -1,0 +1,260 @@
+"""Expert-parallel routed experts under `jax.shard_map`.
+
+Stages (per device, inside the shard_map), for tokens split over the expert-parallel axes:
+
+1. **sort**: the n·K (token, expert) assignments by global expert id, so the rows bound for
+   each expert-parallel peer are contiguous (experts are split contiguously over peers);
+2. **dispatch**: a ragged exchange sends each peer its rows and their expert ids;
+3. **local grouped matmul**: received rows are sorted by local expert and run through
+   `ragged_dot` with the local (bf16, or packed MXFP4 dequantised in-graph) weights; the
+   expert intermediate may be split over the tensor axes;
+4. **return**: the reverse exchange sends every row's output back to where it came from;
+5. **combine**: routing-weighted sum per token in fp32, then `psum` over the tensor axes.
+
+The latent RMSNorm is applied by the caller on the result, i.e. after the cross-device
+reduction. Nothing is ever dropped: receive buffers hold the worst case (every row of every
+peer routed to one device).
+
+The exchange is one seam with three implementations of the same ragged all-to-all
+semantics (`jax.lax.ragged_all_to_all`): "ragged" (the primitive; GPU/TPU only, XLA:CPU has
+no lowering), "dense" (a capacity-padded dense `all_to_all`) and "allgather" (all-gather
+plus local masking). All three move the same bytes to the same places, so their results are
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
+from ..sharding._rules import current_rules, inside_manual, logical_to_spec, spec_axes
+from ._activations import glu
+from ._moe import RAGGED_DOT_DIMS, materialize
+
+EXCHANGES = ("ragged", "dense", "allgather")
+_HI = jax.lax.Precision.HIGHEST
+
+
+def default_exchange() -> str:
+    """`ragged_all_to_all` on GPU/TPU, the dense all_to_all elsewhere (XLA:CPU)."""
+    return "ragged" if jax.devices()[0].platform in ("gpu", "cuda", "rocm", "tpu") else "dense"
+
+
+# --------------------------------------------------------------------------- the exchange
+def _excl_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _axis(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                    axis_name, impl: str):
+    """`jax.lax.ragged_all_to_all` semantics, by `impl` ("ragged" | "dense" | "allgather").
+
+    For every peer j, rows `operand[input_offsets[j] : + send_sizes[j]]` land in peer j's
+    `output` at `output_offsets[j]` (an offset chosen by the sender); `recv_sizes[j]` is what
+    this device gets from j. Rows of `output` nobody writes keep their value.
+    """
+    if impl == "ragged":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                         recv_sizes, axis_name=axis_name)
+    a = operand.shape[0]
+    j = jnp.arange(a, dtype=jnp.int32)
+    trail = (1,) * (operand.ndim - 1)
+    oob = output.shape[0]  # scatter index that `mode="drop"` discards
+    if impl == "dense":
+        # slab[d, i] = operand[input_offsets[d] + i] for i < send_sizes[d]: capacity a per peer
+        src = input_offsets[:, None] + j[None, :]
+        ok = j[None, :] < send_sizes[:, None]
+        slab = jnp.where(ok.reshape(ok.shape + trail), operand[jnp.clip(src, 0, a - 1)], 0)
+        got = jax.lax.all_to_all(slab, axis_name, 0, 0, tiled=True)           # got[s] = slab_s[me]
+        where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # offsets s chose for me
+        dst = jnp.where(j[None, :] < recv_sizes[:, None], where[:, None] + j[None, :], oob)
+        return output.at[dst.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
+    if impl == "allgather":
+        me = jax.lax.axis_index(axis_name)
+        ops = jax.lax.all_gather(operand, axis_name)                 # [P, a, ...]
+        start = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where s's rows for me begin
+        size = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+        where = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+        ok = (j[None, :] >= start[:, None]) & (j[None, :] < (start + size)[:, None])
+        dst = jnp.where(ok, where[:, None] + j[None, :] - start[:, None], oob)
+        return output.at[dst.reshape(-1)].set(ops.reshape((-1,) + operand.shape[1:]), mode="drop")
+    raise ValueError(f"exchange impl={impl!r}: expected one of {EXCHANGES}")
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True)
+class EPPlan:
+    """Static description of one expert-parallel MoE call on the active mesh."""
+
+    mesh: Any
+    num_experts: int
+    ep_axes: tuple[str, ...]      # mesh axes the expert index is split over
+    tp_axes: tuple[str, ...]      # mesh axes the expert intermediate is split over
+    token_axes: tuple[str, ...]   # mesh axes the tokens are split over inside the shard_map
+    ep_size: int
+    tp_size: int
+    exchange: str
+    scale_split: bool             # packed w_down scales split with the intermediate
+
+    def weight_specs(self, w_gate, w_up, w_down):
+        ep, tp = _entry(self.ep_axes), _entry(self.tp_axes)
+        out = []
+        for w, down in ((w_gate, False), (w_up, False), (w_down, True)):
+            spec = P(ep, None, tp) if down else P(ep, tp, None)
+            if isinstance(w, MXFP4Weight):
+                scale = spec if (not down or self.scale_split) else P(ep, None, None)
+                out.append(MXFP4Weight(spec, scale))
+            else:
+                out.append(spec)
+        return tuple(out)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _shape(w):
+    return (w.packed if isinstance(w, MXFP4Weight) else w).shape
+
+
+def make_ep_plan(n_tokens: int, weights, *, exchange: str = "auto", mesh=None, rules=None) -> EPPlan | None:
+    """The plan for `n_tokens` tokens and expert weights `(w_gate, w_up, w_down)` on the
+    active (or given) mesh, or None when the rules split neither experts nor their width."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh.empty or inside_manual():
+        return None
+    shape = dict(mesh.shape)
+    rules = rules or current_rules(shape)
+    w_gate, _, w_down = weights
+    e, i = _shape(w_gate)[:2]
+    spec = logical_to_spec(("expert", "expert_mlp"), (e, i), shape, rules)
+    ep_axes, tp_axes = spec_axes(spec, 0), spec_axes(spec, 1)
+    tp = math.prod(shape[a] for a in tp_axes)
+    if tp_axes and _shape(w_down)[-1] % tp:  # the packed contraction dim must split too
+        tp_axes, tp = (), 1
+    if not ep_axes and not tp_axes:
+        return None
+    if exchange == "auto":
+        exchange = default_exchange()
+    if exchange not in EXCHANGES:
+        raise ValueError(f"ep={exchange!r}: expected 'auto', 'off' or one of {EXCHANGES}")
+    batch = spec_axes(logical_to_spec(("batch",), (n_tokens,), shape, rules), 0)
+    token_axes, prod = [], 1
+    for ax in dict.fromkeys(batch + ep_axes):
+        if ax not in tp_axes and shape[ax] > 1 and n_tokens % (prod * shape[ax]) == 0:
+            token_axes.append(ax)
+            prod *= shape[ax]
+    scale_split = True
+    if isinstance(w_down, MXFP4Weight):
+        scale_split = w_down.scale.shape[-1] % tp == 0
+    return EPPlan(mesh, e, ep_axes, tp_axes, tuple(token_axes), math.prod(shape[a] for a in ep_axes), tp,
+                  exchange, scale_split)
+
+
+# --------------------------------------------------------------------------- local compute
+def _local_float(w, dtype, plan: EPPlan, down: bool, fake_quant: bool):
+    """The float value of this device's shard of an expert weight."""
+    if not isinstance(w, MXFP4Weight):
+        return materialize(w, dtype, fake_quant)
+    if not down or plan.scale_split:
+        return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
+    # The intermediate is split finer than the 32-blocks: each byte (2 codes) takes the scale
+    # of the block its global column falls in.
+    half = w.packed.shape[-1]
+    r = jax.lax.axis_index(_axis(plan.tp_axes))
+    cols = r * (2 * half) + 2 * jnp.arange(half)
+    return mxfp4_dequantize_packed(w.packed, jnp.take(w.scale, cols // 32, axis=-1), dtype=dtype, block=2)
+
+
+def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, hidden_act, beta_gate, beta_up,
+                 weight_fake_quant, activation_fake_quant):
+    """Each row through its (local) expert; rows with local_e == n_local give zeros."""
+    order = jnp.argsort(local_e, stable=True)
+    sizes = jnp.bincount(local_e, length=n_local + 1)[:n_local].astype(jnp.int32)
+    xs = rows[order]
+    dt = rows.dtype
+
+    def qin(a):
+        return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
+
+    def gmm(inp, w, down=False, f32=False):
+        wf = _local_float(w, inp.dtype, plan, down, weight_fake_quant)
+        y = jax.lax.ragged_dot_general(inp, wf, sizes, RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
+        return y if f32 else y.astype(inp.dtype)
+
+    xs = qin(xs)
+    h = glu(gmm(xs, w_gate), gmm(xs, w_up), hidden_act, beta_gate, beta_up)
+    # With the intermediate split, keep the partial sums in fp32 until the tensor psum.
+    y = gmm(qin(h), w_down, down=True, f32=plan.tp_size > 1)
+    if plan.tp_size == 1:
+        y = y.astype(dt)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
+    n, k = idx.shape
+    a = n * k
+    p = plan.ep_size
+    n_local = plan.num_experts // p
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs, es = x[order // k], flat[order]
+    if p > 1:
+        ax = _axis(plan.ep_axes)
+        me = jax.lax.axis_index(ax)
+        send = jnp.bincount(flat // n_local, length=p).astype(jnp.int32)
+        sizes = jax.lax.all_gather(send, ax)            # sizes[s, d]: rows s sends d
+        in_off = _excl_cumsum(send)
+        out_off = _excl_cumsum(sizes, axis=0)[me]        # where my rows start at each peer
+        recv = sizes[:, me]
+        cap = p * a                                      # worst case: every peer sends me all
+        ex = functools.partial(ragged_exchange, axis_name=ax, impl=plan.exchange)
+        rows = ex(xs, jnp.zeros((cap,) + xs.shape[1:], xs.dtype), in_off, send, out_off, recv)
+        rid = ex(es, jnp.full((cap,), -1, jnp.int32), in_off, send, out_off, recv)
+        valid = jnp.arange(cap) < jnp.sum(recv)
+        local_e = jnp.where(valid, rid - me * n_local, n_local)
+    else:
+        rows, local_e = xs, es
+    y = _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, **kw)
+    if p > 1:
+        back_in = _excl_cumsum(recv)                     # where each sender's rows sit here
+        back_out = _excl_cumsum(sizes, axis=1)[:, me]    # where they sat at their sender
+        y = ex(y, jnp.zeros((a,) + y.shape[1:], y.dtype), back_in, recv, back_out, send)
+    ya = jnp.zeros((a, y.shape[-1]), jnp.float32).at[order].set(y.astype(jnp.float32))
+    out = jnp.einsum("nk,nkd->nd", pw.astype(jnp.float32), ya.reshape(n, k, -1), precision=_HI)
+    if plan.tp_axes:
+        out = jax.lax.psum(out, _axis(plan.tp_axes))
+    return out
+
+
+def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hidden_act: str = "situ",
+                      beta_gate: float = 4.0, beta_up: float | None = 25.0, weight_fake_quant: bool = False,
+                      activation_fake_quant: bool = False):
+    """`Σ_k p_k · E_{e_k}(x)` (fp32 `[N, d]`) with the experts split as `plan` says.
+
+    Same contract as `k31jax.ops.routed_experts`. The result is complete (reduced over the
+    expert and tensor axes) and split over `plan.token_axes`.
+    """
+    i_local = _shape(w_gate)[1] // plan.tp_size
+    if plan.tp_size > 1 and (weight_fake_quant or activation_fake_quant) and i_local % 32:
+        raise NotImplementedError(
+            f"MX fake-quant along an expert intermediate split into {i_local}-wide shards: the "
+            "32-blocks would straddle devices; use a mesh whose tensor size divides "
+            "moe_intermediate_size / 32")
+    tok = P(_entry(plan.token_axes), None)
+    body = functools.partial(_body, plan=plan, hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
+                             weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down),
+                       out_specs=tok, check_vma=False)
+    return fn(x, idx.astype(jnp.int32), weights.astype(jnp.float32), w_gate, w_up, w_down)

@@ -1,0 +1,26 @@
+"""QAT fine-tuning: data (packed rows, assistant-only chat loss), the streamed cross entropy,
+AdamW / Muon with trainable subsets and LoRA, MoE load balancing, sharded jitted steps, Orbax
+checkpoints with bit-exact resume, metrics, held-out bits per byte and the MXFP4 export.
+
+    cfg = TrainConfig(out="runs/a", data=DataConfig(paths=("corpus/",), seq_len=256, batch_size=8),
+                      optim=OptimConfig(learning_rate=3e-4, warmup_steps=20, total_steps=200), steps=200,
+                      qat=True)
+    result = train(cfg)                     # or: k31jax train --config tiny --data corpus/ --out runs/a ...
+"""
+
+from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics, sequence_balance_loss
+from ._config import TrainConfig
+from ._data import DataConfig, heldout_bytes, load_documents, make_dataset
+from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
+from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
+from ._metrics import plot_metrics, read_metrics
+from ._optim import OptimConfig, decay_mask, make_optimizer, param_labels
+from ._trainer import EvalResult, Trainer, TrainResult, evaluate, load_any, load_run, train
+
+__all__ = [
+    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "DataConfig", "EvalResult", "LoraState", "OptimConfig", "SignBiasUpdate",
+    "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte", "chunked_cross_entropy", "decay_mask",
+    "evaluate", "expert_load", "full_cross_entropy", "heldout_bytes", "init_lora", "load_any", "load_documents",
+    "load_metrics", "load_run", "make_dataset", "make_optimizer", "param_labels", "plot_metrics", "read_metrics",
+    "sequence_balance_loss", "train",
+]

@@ -1,0 +1,395 @@
+"""The training loop: model and data set-up, jitted steps, Orbax checkpoints with bit-exact
+resume, metrics, SIGTERM handling, held-out evaluation and the final MXFP4 export.
+
+A run's `out` folder holds `run.json` (the `TrainConfig`), `model_config.json`,
+`checkpoints/<step>/` (Orbax `CheckpointManager`: parameters, optimizer state, the data
+iterator's position), `metrics.jsonl`, `tb/` (TensorBoard) and, after the last step,
+`final/release/` (release safetensors layout, MXFP4 experts when trained with QAT) and
+`final/orbax/` (the same weights converted to a k31jax checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..chat import TokenizerBase
+from ..config import ModelConfig
+from ..conversion import convert, write_synthetic_release
+from ..distributed import shard_model
+from ..generate import load_model
+from ..generate._loading import load_tokenizer
+from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
+from ..ops import Backends
+from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
+from ._config import TrainConfig
+from ._data import DataConfig, make_dataset, split_documents
+from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
+from ._metrics import MetricsLog
+from ._optim import FROZEN, OptimConfig, learning_rate_schedule, make_optimizer, map_by_path, param_labels
+from ._steps import StepSettings, eval_step, overlay, partition, train_step
+
+RUN_FILE = "run.json"
+MODEL_CONFIG_FILE = "model_config.json"
+CHECKPOINTS = "checkpoints"
+SIGTERM_EXIT = 143  # 128 + SIGTERM, after the checkpoint is written
+
+
+# ---------------------------------------------------------------------------- model configs
+def config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(raw: dict) -> ModelConfig:
+    return ModelConfig(**{**raw, "layer_types": tuple(raw["layer_types"])})
+
+
+def with_config(model: K31ForCausalLM, cfg: ModelConfig) -> K31ForCausalLM:
+    """The model's parameters under another config of the same shapes (dtype, QAT switches),
+    each cast to the dtype the new config gives it."""
+    graphdef, target = nnx.split(abstract_model(cfg))
+    values = nnx.to_pure_dict(nnx.state(model))
+    cast = jax.tree.map(lambda v, t: jnp.asarray(v, t.dtype), values, nnx.to_pure_dict(target))
+    nnx.replace_by_pure_dict(target, cast)
+    return nnx.merge(graphdef, target)
+
+
+def training_form(model: K31ForCausalLM, cfg: TrainConfig) -> K31ForCausalLM:
+    """Float master experts (QAT trains those), the master dtype and the QAT switches."""
+    if model.config.expert_weights == "mxfp4":
+        model = dequantize_experts(model)
+    acts = "mxfp8" if cfg.mxfp8_activations else "bf16"
+    return with_config(model, model.config.replace(dtype=cfg.dtype, expert_qat=cfg.qat, expert_activations=acts))
+
+
+def split_for_training(state: nnx.State, optim: OptimConfig):
+    """(frozen rest, trained sub-dict, optimizer over the trained leaves only) of a model's
+    state: `train_step` takes the first two, `overlay(rest, trained)` is the model."""
+    labels = {}
+    map_by_path(lambda path, label: labels.__setitem__(path, label),
+                param_labels(state, optim.trainable, optim.optimizer))
+    rest, trained = partition(nnx.to_pure_dict(state), lambda path: labels[path] != FROZEN)
+    if not trained:
+        raise ValueError(f"trainable={optim.trainable!r} selects no parameter of this model")
+    variables = dict(nnx.to_flat_state(state))
+    trained_state = nnx.from_flat_state({path: variables[path] for path in variables
+                                        if labels["/".join(map(str, path))] != FROZEN})
+    return rest, trained, make_optimizer(optim, trained_state)
+
+
+# ---------------------------------------------------------------------------- runs on disk
+def is_run(path: str | os.PathLike) -> bool:
+    return (Path(path) / RUN_FILE).exists() and (Path(path) / CHECKPOINTS).is_dir()
+
+
+def _manager(out: Path, keep: int | None = None, *, read_only: bool = False) -> ocp.CheckpointManager:
+    # read_only: restore only; Orbax's own read_only mode logs warnings on every use
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not read_only,
+                                           create=not read_only)
+    return ocp.CheckpointManager(out / CHECKPOINTS, options=options,
+                                 item_names=("params", "opt_state", "trainable", "data"))
+
+
+def _abstract(tree):
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def load_run(path: str | os.PathLike, step: int | None = None):
+    """(model, tokenizer, step) from a training run's `out` folder (its newest checkpoint)."""
+    out = Path(path)
+    run = TrainConfig.from_json(json.loads((out / RUN_FILE).read_text()))
+    model_cfg = config_from_json(json.loads((out / MODEL_CONFIG_FILE).read_text()))
+    mgr = _manager(out, read_only=True)
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{out / CHECKPOINTS}: the run has no checkpoint yet")
+    graphdef, state = nnx.split(abstract_model(model_cfg))
+    if run.lora_rank:  # the whole base model + the adapters, merged
+        params = nnx.to_pure_dict(state)
+        trained = jax.eval_shape(lambda: init_lora(state, DEFAULT_LORA_TARGETS, run.lora_rank, run.lora_alpha,
+                                                   jax.random.key(0)))
+    else:  # the frozen rest + the trained leaves, overlaid
+        params, trained, _ = split_for_training(state, run.optim)
+    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params)),
+                                                         trainable=ocp.args.StandardRestore(_abstract(trained))))
+    mgr.close()
+    merge = apply_lora if run.lora_rank else overlay
+    model = nnx.merge(graphdef, merge(restored["params"], restored["trainable"]))
+    return model, load_tokenizer(run.tokenizer, model_cfg.vocab_size), step
+
+
+def load_any(ckpt: str | os.PathLike | None, *, tokenizer: str | None = None):
+    """(model, tokenizer, description) from a training run, a converted Orbax checkpoint, a
+    release safetensors folder, or (None) the embedded default model."""
+    if ckpt is not None and is_run(ckpt):
+        model, tok, step = load_run(ckpt)
+        return model, tok, f"{ckpt} (step {step})"
+    loaded = load_model(ckpt, tokenizer=tokenizer)
+    return loaded.model, loaded.tokenizer, loaded.source
+
+
+def _initial_model(cfg: TrainConfig) -> tuple[K31ForCausalLM, TokenizerBase]:
+    if cfg.init is not None:
+        model, tok, _ = load_any(cfg.init, tokenizer=cfg.tokenizer)
+        return model, tok
+    path = Path(cfg.model)
+    model_cfg = ModelConfig.from_hf(path) if path.exists() else ModelConfig.preset(cfg.model)
+    model = K31ForCausalLM(model_cfg.replace(dtype=cfg.dtype), rngs=nnx.Rngs(cfg.seed))
+    return model, load_tokenizer(cfg.tokenizer, model_cfg.vocab_size)
+
+
+# ---------------------------------------------------------------------------- evaluation
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    loss: float            # nats per trained token
+    bits_per_byte: float   # loss in bits summed over tokens / UTF-8 bytes of their text
+    tokens: int
+    bytes: int
+    batches: int
+
+    def line(self) -> str:
+        return (f"loss {self.loss:.4f} nats/token, {self.bits_per_byte:.4f} bits/byte "
+                f"({self.tokens:,} tokens, {self.bytes:,} bytes, {self.batches} batches)")
+
+
+def evaluate(model: K31ForCausalLM, tokenizer: TokenizerBase, data: DataConfig, *, max_batches: int | None = None,
+             backends: Backends | None = None, split: str = "heldout") -> EvalResult:
+    """Held-out loss and bits per byte of `model` over `data`'s `split` (every batch, or the
+    first `max_batches`)."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    settings = StepSettings(backends=backends or Backends())
+    step = jax.jit(eval_step, static_argnums=(0, 1))
+    sums = dict(nll_sum=0.0, tokens=0.0, correct=0.0, bytes=0.0)
+    batches = 0
+    for batch in make_dataset(data, tokenizer, split):
+        if max_batches is not None and batches >= max_batches:
+            break
+        out = jax.device_get(step(graphdef, settings, params, {k: jnp.asarray(v) for k, v in batch.items()}))
+        sums = {k: sums[k] + float(out[k]) for k in sums}
+        batches += 1
+    if not sums["tokens"]:
+        raise ValueError(f"the {split} split of {list(data.paths)} has no trained tokens")
+    return EvalResult(loss=sums["nll_sum"] / sums["tokens"],
+                      bits_per_byte=sums["nll_sum"] / (math.log(2) * sums["bytes"]),
+                      tokens=int(sums["tokens"]), bytes=int(sums["bytes"]), batches=batches)
+
+
+# ---------------------------------------------------------------------------- the trainer
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    interrupted: bool
+    last_metrics: dict
+    eval: EvalResult | None
+    final_dir: Path | None
+
+
+class Trainer:
+    """Build everything for `cfg`; `run()` trains to `cfg.steps` (resuming when asked)."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, progress: bool = True):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self._check_out(resume)
+        self.out.mkdir(parents=True, exist_ok=True)
+        model, self.tokenizer = _initial_model(cfg)
+        model = training_form(model, cfg)
+        self.model_config = model.config
+        self.mesh = make_mesh(parse_mesh(cfg.mesh)) if cfg.mesh else None
+        if self.mesh is not None:
+            model = shard_model(model, self.mesh, cfg.rules)
+        self.graphdef, state = nnx.split(model)
+        self.params = nnx.to_pure_dict(state)
+        if cfg.lora_rank:
+            self.trainable = init_lora(state, DEFAULT_LORA_TARGETS, cfg.lora_rank, cfg.lora_alpha,
+                                       jax.random.key(cfg.seed))
+            o = cfg.optim
+            self.tx = optax.chain(*([optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm else []),
+                                  optax.adamw(learning_rate_schedule(o), o.b1, o.b2, o.eps,
+                                              weight_decay=o.weight_decay))
+        else:
+            self.params, self.trainable, self.tx = split_for_training(state, cfg.optim)
+        self.opt_state = jax.jit(self.tx.init)(self.trainable)
+        self.settings = StepSettings(
+            backends=Backends(), remat=cfg.remat, vocab_chunk=cfg.vocab_chunk, z_loss=cfg.z_loss,
+            balance_loss=cfg.balance_loss, bias_update_rate=cfg.bias_update_rate,
+            lora_scale=cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else None)
+        self._step_fn = jax.jit(train_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+        # multi-host (after `k31jax.distributed.initialize`): each process reads its slice of
+        # every global batch, assembled into one global array on the mesh
+        data = dataclasses.replace(cfg.data, num_processes=jax.process_count(), process_index=jax.process_index())
+        if jax.process_count() > 1 and self.mesh is None:
+            raise ValueError("multi-process training needs a --mesh spanning every process's devices")
+        self.data_iter = iter(make_dataset(data, self.tokenizer, "train"))
+        self.evaluates = cfg.data.holdout_fraction > 0  # 0: no held-out split, no evaluation
+        if self.evaluates:
+            split_documents(cfg.data, "heldout")  # fail now, not after training, if it is empty
+        self.step = 0
+        self.manager = _manager(self.out, cfg.keep)
+        if resume:
+            self._restore()
+        else:
+            cfg.save(self.out / RUN_FILE)
+            (self.out / MODEL_CONFIG_FILE).write_text(json.dumps(config_to_json(self.model_config), indent=2))
+        self._stop_signal: int | None = None
+
+    # ---- set-up helpers
+    def _check_out(self, resume: bool) -> None:
+        run_file = self.out / RUN_FILE
+        if resume:
+            if not run_file.exists():
+                raise FileNotFoundError(f"--resume: {self.out} holds no training run ({RUN_FILE} missing)")
+            saved = TrainConfig.from_json(json.loads(run_file.read_text()))
+            keep_same = ("data", "optim", "model", "init", "dtype", "qat", "mxfp8_activations", "grad_accum",
+                         "lora_rank", "lora_alpha", "seed", "vocab_chunk", "z_loss", "bias_update_rate",
+                         "balance_loss")
+            changed = [f for f in keep_same if getattr(saved, f) != getattr(self.cfg, f)]
+            if changed:
+                raise ValueError(f"--resume: {self.out} was trained with other settings for {changed}; resume "
+                                 "with the same ones (only --steps, saving, logging and eval may change)")
+        elif run_file.exists() or (self.out / CHECKPOINTS).exists():
+            raise FileExistsError(f"{self.out} already holds a training run: pass --resume to continue it, "
+                                  "or choose another --out")
+
+    def _restore(self) -> None:
+        step = self.manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--resume: {self.out / CHECKPOINTS} has no checkpoint")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(self.params)),
+            opt_state=ocp.args.StandardRestore(_abstract(self.opt_state)),
+            trainable=ocp.args.StandardRestore(_abstract(self.trainable)),
+            data=ocp.args.JsonRestore()))
+        self.params, self.opt_state, self.trainable = restored["params"], restored["opt_state"], restored["trainable"]
+        self.data_iter.set_state(restored["data"])
+        self.step = step
+
+    def save(self) -> None:
+        self.manager.save(self.step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(self.params), opt_state=ocp.args.StandardSave(self.opt_state),
+            trainable=ocp.args.StandardSave(self.trainable),
+            data=ocp.args.JsonSave(self.data_iter.get_state())), force=True)
+
+    def _next_batch(self) -> dict[str, jax.Array]:
+        micro = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
+        batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        shape = dict(self.mesh.shape)
+        rows = batch["tokens"].shape[1] * jax.process_count()  # the global batch's rows
+        spec = P(None, *logical_to_spec(("batch", "seq"), (rows, batch["tokens"].shape[2]), shape))
+        where = NamedSharding(self.mesh, spec)
+        if jax.process_count() == 1:
+            return {k: jax.device_put(v, where) for k, v in batch.items()}
+        return {k: jax.make_array_from_process_local_data(where, v) for k, v in batch.items()}
+
+    def model(self) -> K31ForCausalLM:
+        """The current model (LoRA adapters merged)."""
+        params = (apply_lora(self.params, self.trainable) if self.cfg.lora_rank
+                  else overlay(self.params, self.trainable))
+        return nnx.merge(self.graphdef, params)
+
+    def train_steps(self, n: int) -> list[dict]:
+        """`n` optimizer steps; the metrics of each (host values)."""
+        out = []
+        for _ in range(n):
+            batch = self._next_batch()
+            self.params, self.opt_state, self.trainable, metrics = self._step_fn(
+                self.graphdef, self.tx, self.settings, self.params, self.opt_state, self.trainable, batch)
+            self.step += 1
+            out.append(jax.device_get(metrics))
+        return out
+
+    # ---- the loop
+    def run(self, *, progress: bool = True, export: bool = True) -> TrainResult:
+        cfg = self.cfg
+        log = MetricsLog(self.out, resume_step=self.step, progress_total=cfg.steps, progress=progress)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM,)}
+        schedule = learning_rate_schedule(cfg.optim)
+        tokens_per_step = cfg.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+        last: dict = {}
+        evaluation = None
+        try:
+            with activate(self.mesh, cfg.rules) if self.mesh is not None else contextlib.nullcontext():
+                t0, since = time.perf_counter(), 0
+                while self.step < cfg.steps and self._stop_signal is None:
+                    (metrics,) = self.train_steps(1)
+                    since += 1
+                    last = dict(metrics, learning_rate=float(schedule(self.step - 1)))
+                    if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                        dt = time.perf_counter() - t0
+                        last["tokens_per_s"] = since * tokens_per_step / dt
+                        log.write(self.step, last)
+                        log.progress(since, {"loss": float(last["loss"]), "tok/s": last["tokens_per_s"]})
+                        t0, since = time.perf_counter(), 0
+                    if (self.evaluates and cfg.eval_every and self.step % cfg.eval_every == 0
+                            and self.step < cfg.steps):
+                        ev = evaluate(self.model(), self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
+                        log.write(self.step, {"eval_loss": ev.loss, "eval_bits_per_byte": ev.bits_per_byte})
+                    if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                        self.save()
+                interrupted = self._stop_signal is not None
+                if interrupted and self.manager.latest_step() != self.step:
+                    self.save()
+                self.manager.wait_until_finished()
+                final = None
+                if not interrupted:
+                    if self.evaluates:
+                        evaluation = evaluate(self.model(), self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
+                        log.write(self.step, {"eval_loss": evaluation.loss,
+                                              "eval_bits_per_byte": evaluation.bits_per_byte})
+                    if export:
+                        final = self.export(self.out / "final")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            log.close()
+        return TrainResult(self.step, interrupted, last, evaluation, final)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def export(self, where: Path) -> Path:
+        """The trained weights twice: the release safetensors layout (routed experts packed to
+        MXFP4 with the floor rule QAT trained against, when `qat`), and that release converted
+        to a k31jax Orbax checkpoint. Non-expert weights are stored in bf16, as the release."""
+        model = self.model()
+        if self.cfg.qat and model.config.moe_layers:
+            model = quantize_experts(model)
+        release_cfg = model.config.replace(dtype="bfloat16", expert_qat=False, expert_activations="bf16")
+        params = nnx.to_pure_dict(nnx.state(with_config(model, release_cfg)))
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / f".release.tmp-{os.getpid()}"  # written whole, then renamed into place
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_synthetic_release(tmp, release_cfg, params=jax.tree.map(np.asarray, params))
+        for name in ("tiktoken.model", "tokenizer_config.json"):
+            src = Path(self.cfg.tokenizer or "") / name
+            if self.cfg.tokenizer and src.exists():
+                shutil.copyfile(src, tmp / name)
+        release = where / "release"
+        shutil.rmtree(release, ignore_errors=True)
+        os.replace(tmp, release)
+        convert(release, where / "orbax", progress=False, overwrite=True)
+        return where
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, export: bool = True) -> TrainResult:
+    """Train (or resume) the run `cfg` describes; see `Trainer`."""
+    return Trainer(cfg, resume=resume).run(progress=progress, export=export)
