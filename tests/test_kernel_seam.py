@@ -28,24 +28,35 @@ def on_gpu(monkeypatch):
 
 def test_auto_follows_the_backend(monkeypatch):
     monkeypatch.delenv("K31JAX_KERNELS", raising=False)
-    want = "pallas" if jax.default_backend() == "gpu" else "xla"
-    assert _impl.resolve_impl(None) == _impl.resolve_impl("auto") == want
-    assert _impl.resolve_impl("interpret", supported=False) == "interpret"  # explicit: the kernel decides
+    for kernel in _impl.KERNELS:
+        want = "pallas" if jax.default_backend() == "gpu" and kernel in _impl.VERIFIED_ON_GPU else "xla"
+        assert _impl.resolve_impl(None, kernel) == _impl.resolve_impl("auto", kernel) == want
+    assert _impl.resolve_impl("interpret", "kda_chunk", supported=False) == "interpret"  # explicit: the kernel decides
     with pytest.raises(ValueError, match=r"impl='triton': expected one of \('xla', 'pallas', 'interpret'\)"):
-        _impl.resolve_impl("triton")
+        _impl.resolve_impl("triton", "kda_chunk")
+    with pytest.raises(ValueError, match="kernel='flash'"):
+        _impl.resolve_impl(None, "flash")
+
+
+def test_auto_on_gpu_takes_only_verified_kernels(on_gpu, monkeypatch):
+    """Until a kernel has passed its check on GPU hardware, "auto" keeps its op on XLA."""
+    monkeypatch.setattr(_impl, "VERIFIED_ON_GPU", {})
+    assert {_impl.resolve_impl(None, k) for k in _impl.KERNELS} == {"xla"}
+    assert _impl.resolve_impl("pallas", "kda_chunk") == "pallas"  # opt-in stays possible
 
 
 def test_auto_on_gpu_outside_and_inside_a_mesh(on_gpu, monkeypatch):
     monkeypatch.delenv("K31JAX_KERNELS", raising=False)
-    assert _impl.resolve_impl(None) == "pallas"
-    assert _impl.resolve_impl(None, supported=False) == "xla"
+    monkeypatch.setattr(_impl, "VERIFIED_ON_GPU", {"kda_chunk": "0.11.2"})
+    assert _impl.resolve_impl(None, "kda_chunk") == "pallas"
+    assert _impl.resolve_impl(None, "kda_chunk", supported=False) == "xla"
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     seen = {}
     with jax.set_mesh(mesh):
-        seen["partitioned"] = _impl.resolve_impl(None)
+        seen["partitioned"] = _impl.resolve_impl(None, "kda_chunk")
 
         def per_device(x):
-            seen["shard_map"] = _impl.resolve_impl(None)
+            seen["shard_map"] = _impl.resolve_impl(None, "kda_chunk")
             return x
 
         jax.shard_map(per_device, in_specs=P("data", "model"), out_specs=P("data", "model"))(jnp.zeros((2, 4)))
@@ -58,8 +69,9 @@ def test_backends_default_from_the_environment(on_gpu, monkeypatch):
     assert Backends() == Backends(kernels="auto", moe="auto", sparse="auto", ep="auto")
     monkeypatch.setenv("K31JAX_KERNELS", "xla")
     assert Backends().kernels == "xla" and Backends(kernels="interpret").kernels == "interpret"
-    assert _impl.resolve_impl(Backends().kernels) == "xla"
-    assert _impl.resolve_impl(None) == "pallas"  # the seam itself ignores the variable
+    monkeypatch.setattr(_impl, "VERIFIED_ON_GPU", {"mxfp4_gmm": "0.11.2"})
+    assert _impl.resolve_impl(Backends().kernels, "mxfp4_gmm") == "xla"
+    assert _impl.resolve_impl(None, "mxfp4_gmm") == "pallas"  # the seam itself ignores the variable
     monkeypatch.setenv("K31JAX_KERNELS", "cuda")
     with pytest.raises(ValueError, match="K31JAX_KERNELS='cuda'"):
         Backends()

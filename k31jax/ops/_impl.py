@@ -3,10 +3,13 @@
 - "xla": the op's jnp path — the reference the kernels are tested against;
 - "pallas": the Pallas-Triton kernel of `k31jax.kernels`, compiled for the GPU;
 - "interpret": the same kernel body run by the Pallas interpreter (any backend: CPU tests);
-- None / "auto": "pallas" on a GPU backend when the op runs on one device's data (no mesh, or
-  inside `shard_map` over every mesh axis larger than one), else "xla". Under an automatically
-  partitioned mesh the XLA path stays: XLA partitions it, while a kernel is a per-device
-  program whose inputs the partitioner would have to gather.
+- None / "auto": the kernel only where it has passed its check on real GPU hardware
+  (`VERIFIED_ON_GPU`, filled from benchmarks/RESULTS.md with the jax version it ran on), on a
+  GPU backend, when the op runs on one device's data (no mesh, or inside `shard_map` over every
+  mesh axis larger than one); else "xla". No kernel has run on a GPU yet, so "auto" is XLA
+  everywhere and the kernels are opt-in ("pallas"). Under an automatically partitioned mesh the
+  XLA path stays: XLA partitions it, while a kernel is a per-device program whose inputs the
+  partitioner would have to gather.
 
 The model and the engine take the whole choice as one frozen `Backends` object; its
 `kernels` field defaults to the environment variable `K31JAX_KERNELS` (one of the names
@@ -26,6 +29,10 @@ import os
 import jax
 
 IMPLS = ("xla", "pallas", "interpret")
+KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
+# kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
+# recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
+VERIFIED_ON_GPU: dict[str, str] = {}
 MOE_FORMS = ("auto", "ragged", "blocked", "gather")
 SPARSE_FORMS = ("auto", "mask", "gather")
 EP_EXCHANGES = ("auto", "ragged", "dense", "allgather", "off")
@@ -48,9 +55,10 @@ class Backends:
     """Which implementation the model's hot paths run; one object for the model and the engine.
 
     kernels: the ops' kernel seam for KDA (chunk, decode step), sparse MLA attention, the
-      indexer top-k and the packed-MXFP4 grouped matmul: "auto" (Pallas on a GPU when the op
-      runs on one device's data, XLA elsewhere), "xla", "pallas" or "interpret" (the kernel
-      bodies on the Pallas interpreter, any backend). Default: `$K31JAX_KERNELS`, else "auto".
+      indexer top-k and the packed-MXFP4 grouped matmul: "auto" (a kernel verified on GPU
+      hardware, on a GPU, when the op runs on one device's data; XLA otherwise), "xla",
+      "pallas" (opt in to every kernel) or "interpret" (the kernel bodies on the Pallas
+      interpreter, any backend). Default: `$K31JAX_KERNELS`, else "auto".
     moe: the routed experts' grouped-matmul form (`ops.routed_experts`): "auto" (packed MXFP4
       experts take the kernel when `kernels` resolves to one; otherwise "gather" for fewer
       assignments than experts, "blocked" on CPU, "ragged" elsewhere), or one of those forms.
@@ -82,12 +90,15 @@ def _per_device() -> bool:
     return all(size == 1 or name in manual for name, size in zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def resolve_impl(impl: str | None, *, supported: bool = True) -> str:
-    """The implementation to run. `supported=False` (shapes the kernel does not take) turns
-    "auto" into "xla"; an explicit "pallas"/"interpret" is left for the kernel to refuse."""
+def resolve_impl(impl: str | None, kernel: str, *, supported: bool = True) -> str:
+    """The implementation to run for `kernel` (one of `KERNELS`). `supported=False` (shapes the
+    kernel does not take) turns "auto" into "xla"; an explicit "pallas"/"interpret" is left for
+    the kernel to refuse."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if impl is None or impl == "auto":
         gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and supported and _per_device() else "xla"
+        return "pallas" if gpu and supported and kernel in VERIFIED_ON_GPU and _per_device() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
     return impl

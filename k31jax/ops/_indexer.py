@@ -71,7 +71,7 @@ def select_topk(
     query `p` tokens into its document gets `min(k, p + 1)` valid slots and a padding query
     none. Always the XLA path (the kernel takes no segments).
     """
-    impl = resolve_impl(impl, supported=q.shape[1] == 1)
+    impl = resolve_impl(impl, "indexer_topk", supported=q.shape[1] == 1)
     key_docs = None
     if segment_ids is not None:
         key_docs = key_document_ids(segment_ids, kv_segment_ids, q.shape[:2], k.shape[1], "select_topk")

@@ -138,7 +138,7 @@ def kda_recurrent(
     the returned state is the row's last document's. Always the XLA path (the kernel takes no
     segments). Equal to running each document alone.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "kda_step")
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":
@@ -202,7 +202,7 @@ def kda_chunked(
     document is carried to the next. Nothing is scaled, so no gate trick can overflow.
     Always the XLA path (the kernel takes no segments).
     """
-    impl = resolve_impl(impl, supported=chunk_size in kda_chunk.CHUNK_SIZES)
+    impl = resolve_impl(impl, "kda_chunk", supported=chunk_size in kda_chunk.CHUNK_SIZES)
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":

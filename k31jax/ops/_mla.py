@@ -147,7 +147,7 @@ def mla_attention_sparse(
         return _zero_padding_queries(
             mla_attention_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale, impl=impl),
             segment_ids)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, "sparse_mla")
     if impl != "xla":
         return with_reference_grad(functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=impl),
                                    functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(

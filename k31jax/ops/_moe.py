@@ -71,7 +71,7 @@ def grouped_matmul(
     this path; "pallas" / "interpret" the in-kernel-dequantising grouped matmul of
     `k31jax.kernels.mxfp4_matmul` for an `MXFP4Weight` (float weights stay on this path).
     """
-    impl = resolve_impl(impl, supported=isinstance(w, MXFP4Weight))
+    impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
         return with_reference_grad(functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
                                    functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
@@ -164,7 +164,7 @@ def routed_experts(
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
     num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
     if impl == "auto":
-        kernel = resolve_impl(kernels, supported=packed)
+        kernel = resolve_impl(kernels, "mxfp4_gmm", supported=packed)
         if packed and kernel != "xla":
             impl = kernel
         elif n * k < num_experts:
