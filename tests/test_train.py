@@ -203,37 +203,37 @@ def test_sharded_step_equals_the_single_device_step():
 
 # ---------------------------------------------------------------------------- runs
 def _params_of(trainer):
-    return jax.tree.map(np.asarray, trainer.params)
+    """The whole model's parameters (the frozen rest with the trained leaves overlaid)."""
+    return jax.tree.map(np.asarray, overlay(trainer.params, trainer.trainable))
 
 
 def test_resume_is_bit_exact(tmp_path, corpus):
     """10 steps straight == 5 steps, stop, resume, 5 steps: parameters, optimizer state and
     every step's loss, bit for bit."""
-    straight = Trainer(_train_cfg(tmp_path / "a", corpus, steps=10, save_every=5, qat=True))
-    losses_a = [float(m["loss"]) for m in straight.train_steps(10)]
+    with Trainer(_train_cfg(tmp_path / "a", corpus, steps=10, save_every=5, qat=True)) as straight:
+        losses_a = [float(m["loss"]) for m in straight.train_steps(10)]
+        params_a, opt_a = _params_of(straight), jax.tree.map(np.asarray, straight.opt_state)
 
-    first = Trainer(_train_cfg(tmp_path / "b", corpus, steps=10, save_every=5, qat=True))
-    losses_b = [float(m["loss"]) for m in first.train_steps(5)]
-    first.save()
-    first.manager.wait_until_finished()
-    del first
-    resumed = Trainer(_train_cfg(tmp_path / "b", corpus, steps=10, save_every=5, qat=True), resume=True)
-    assert resumed.step == 5
-    losses_b += [float(m["loss"]) for m in resumed.train_steps(5)]
+    with Trainer(_train_cfg(tmp_path / "b", corpus, steps=10, save_every=5, qat=True)) as first:
+        losses_b = [float(m["loss"]) for m in first.train_steps(5)]
+        first.save()
+    with Trainer(_train_cfg(tmp_path / "b", corpus, steps=10, save_every=5, qat=True), resume=True) as resumed:
+        assert resumed.step == 5
+        losses_b += [float(m["loss"]) for m in resumed.train_steps(5)]
+        params_b, opt_b = _params_of(resumed), jax.tree.map(np.asarray, resumed.opt_state)
     assert losses_a == losses_b
-    for a, b in zip(jax.tree.leaves(_params_of(straight)), jax.tree.leaves(_params_of(resumed))):
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(straight.opt_state), jax.tree.leaves(resumed.opt_state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(opt_a), jax.tree.leaves(opt_b)):
+        np.testing.assert_array_equal(a, b)
     assert losses_a[-1] < losses_a[0]
 
 
 def test_resume_refuses_changed_settings_and_a_used_folder(tmp_path, corpus):
     cfg = _train_cfg(tmp_path / "r", corpus, steps=2)
-    t = Trainer(cfg)
-    t.train_steps(1)
-    t.save()
-    t.manager.wait_until_finished()
+    with Trainer(cfg) as t:
+        t.train_steps(1)
+        t.save()
     with pytest.raises(FileExistsError, match="already holds a training run"):
         Trainer(cfg)
     with pytest.raises(ValueError, match=r"other settings for \['qat'\]"):
@@ -297,7 +297,11 @@ def test_only_the_selected_weights_train(tmp_path, corpus, kind):
     """trainable="experts" changes the routed experts (and the router bias, by its rule) only;
     LoRA changes only its adapters, and the merged model differs from the base."""
     extra = dict(optim={"trainable": "experts"}) if kind == "experts" else dict(lora_rank=2)
-    trainer = Trainer(_train_cfg(tmp_path / kind, corpus, steps=2, **extra))
+    with Trainer(_train_cfg(tmp_path / kind, corpus, steps=2, **extra)) as trainer:
+        _check_only_selected_weights_train(trainer, kind)
+
+
+def _check_only_selected_weights_train(trainer, kind):
     before = jax.tree.map(np.asarray, overlay(trainer.params, trainer.trainable) if kind == "experts"
                           else trainer.params)
     lora_before = jax.tree.map(np.asarray, trainer.trainable) if kind == "lora" else None

@@ -68,8 +68,8 @@ def _cmd_train(args) -> int:
             if missing:
                 return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
             cfg = _config_from_args(args)
-        trainer = Trainer(cfg, resume=args.resume)
-        result = trainer.run(progress=not args.no_progress, export=not args.no_export)
+        with Trainer(cfg, resume=args.resume) as trainer:
+            result = trainer.run(progress=not args.no_progress, export=not args.no_export)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise

@@ -318,6 +318,18 @@ class Trainer:
         return out
 
     # ---- the loop
+    def close(self) -> None:
+        """Finish pending checkpoint writes and release the manager and the data readers."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+        self.data_iter = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def run(self, *, progress: bool = True, export: bool = True) -> TrainResult:
         cfg = self.cfg
         log = MetricsLog(self.out, resume_step=self.step, progress_total=cfg.steps, progress=progress)
@@ -392,4 +404,5 @@ class Trainer:
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, export: bool = True) -> TrainResult:
     """Train (or resume) the run `cfg` describes; see `Trainer`."""
-    return Trainer(cfg, resume=resume).run(progress=progress, export=export)
+    with Trainer(cfg, resume=resume) as trainer:
+        return trainer.run(progress=progress, export=export)
