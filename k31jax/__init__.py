@@ -10,7 +10,7 @@ The curated public API: what a researcher types. The layers underneath, bottom t
 from . import distributed, sharding
 from .ckpt import load_checkpoint, load_hf_weights
 from .config import ConfigError, ModelConfig, preset_names
-from .conversion import convert, export
+from .conversion import convert, export, verify_checkpoint
 from .distributed import init_sharded, load_sharded, plan_memory
 from .generate import ChatSession, Engine, SamplingParams, load_model
 from .nn import Cache, K31ForCausalLM, ParamCount, abstract_model, count_params, dequantize_experts, quantize_experts
@@ -21,6 +21,6 @@ __all__ = [
     "Backends", "Cache", "ChatSession", "ConfigError", "Engine", "K31ForCausalLM", "ModelConfig", "ParamCount",
     "SamplingParams", "abstract_model", "activate", "convert", "count_params", "dequantize_experts", "distributed",
     "export", "init_sharded", "load_checkpoint", "load_hf_weights", "load_model", "load_sharded", "make_mesh",
-    "plan_memory", "preset_names", "quantize_experts", "sharding",
+    "plan_memory", "preset_names", "quantize_experts", "sharding", "verify_checkpoint",
 ]
 __version__ = "0.1.0"

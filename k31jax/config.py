@@ -64,6 +64,164 @@ class ConfigError(ValueError):
     """A config that k31jax cannot build a model from; the message names the field."""
 
 
+# Sane bounds of the integer fields (inclusive): far above any Kimi model (K3: 93 layers,
+# hidden 7168, 896 experts, vocab 163,840), so only a typo or a unit mix-up fails here, and it
+# fails before anything is allocated (1e9 layers would exhaust memory building the schedule).
+_INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "num_hidden_layers": (1, 4096),
+    "intermediate_size": (0, 1 << 20), "first_k_dense_replace": (0, 4096), "moe_layer_freq": (1, 4096),
+    "num_attention_heads": (0, 4096), "q_lora_rank": (1, 1 << 17), "kv_lora_rank": (0, 1 << 17),
+    "qk_nope_head_dim": (0, 1 << 14), "qk_rope_head_dim": (0, 1 << 14), "v_head_dim": (0, 1 << 14),
+    "kda_num_heads": (0, 4096), "kda_head_dim": (0, 1 << 14), "kda_conv_size": (0, 1024),
+    "kda_a_log_len": (0, 1 << 17), "kda_chunk_size": (1, 1 << 16), "index_topk": (1, 1 << 30),
+    "index_n_heads": (0, 4096), "index_head_dim": (0, 1 << 14), "num_experts": (0, 1 << 16),
+    "num_experts_per_token": (0, 1 << 16), "num_shared_experts": (0, 1024), "moe_intermediate_size": (0, 1 << 20),
+    "routed_expert_hidden_size": (1, 1 << 17), "num_expert_group": (1, 1 << 16), "topk_group": (1, 1 << 16),
+    "attn_res_block_size": (1, 4096), "bos_token_id": (0, 1 << 24), "eos_token_id": (0, 1 << 24),
+    "pad_token_id": (0, 1 << 24), "max_position_embeddings": (1, 1 << 40),
+}
+# Fields that may be None (their annotation says `| None`).
+_OPTIONAL = frozenset({"q_lora_rank", "index_topk", "routed_expert_hidden_size", "attn_res_block_size",
+                       "bos_token_id", "eos_token_id", "pad_token_id", "activation_situ_linear_beta",
+                       "kda_gate_lower_bound"})
+# Float fields: finite, and (low, high, low excluded) where a range applies.
+_FLOAT_BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
+    "rms_norm_eps": (0.0, 1.0, True), "activation_situ_beta": (0.0, None, True),
+    "activation_situ_linear_beta": (0.0, None, True), "kda_gate_lower_bound": (None, None, False),
+    "routed_scaling_factor": (0.0, None, True), "initializer_range": (0.0, None, False),
+}
+_BOOL_FIELDS = ("mla_use_output_gate", "kda_full_rank_gate", "latent_moe_use_norm", "moe_renormalize",
+                "tie_word_embeddings", "expert_qat")
+_STR_FIELDS = ("hidden_act", "moe_router_activation_func", "dtype", "expert_weights", "expert_activations")
+
+
+def _shown(value) -> str:
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+def check_int(name: str, value, *, optional: bool = False) -> int | None:
+    """`value` if it is an integer within `_INT_BOUNDS[name]` (bool, float, str rejected),
+    else a `ConfigError` naming `name` and what was expected."""
+    if value is None and optional:
+        return None
+    low, high = _INT_BOUNDS.get(name, (0, 1 << 40))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer in [{low}, {high}]{' or null' if optional else ''}, "
+                          f"got {_shown(value)}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: {value} is outside [{low}, {high}]")
+    return value
+
+
+def check_float(name: str, value, *, optional: bool = False) -> float | None:
+    """`value` as a float if it is a finite number within `_FLOAT_BOUNDS[name]`, else a
+    `ConfigError` (bool, str, NaN and Infinity rejected)."""
+    if value is None and optional:
+        return None
+    low, high, low_open = _FLOAT_BOUNDS.get(name, (None, None, False))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}: expected a finite number{' or null' if optional else ''}, got {_shown(value)}")
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"<= {high}"
+        raise ConfigError(f"{name}: {value} is out of range (expected {' and '.join(x for x in (lo, hi) if x)})")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {_shown(value)}")
+    return value
+
+
+# vision_config keys with one supported value (vision.md §1): anything else is a different tower.
+_VISION_FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+                 "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm",
+                 "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "projector_hidden_act": "gelu",
+                 "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False}
+# vision_config key -> VisionConfig field.
+_VISION_FIELDS = {"patch_size": "patch_size", "vt_hidden_size": "hidden_size",
+                  "vt_intermediate_size": "intermediate_size", "vt_num_attention_heads": "num_attention_heads",
+                  "qkv_hidden_size": "qkv_hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
+                  "init_pos_emb_height": "pos_emb_height", "init_pos_emb_width": "pos_emb_width",
+                  "init_pos_emb_time": "pos_emb_time", "merge_kernel_size": "merge_kernel_size",
+                  "mm_hidden_size": "mm_hidden_size", "text_hidden_size": "text_hidden_size",
+                  "projector_ln_eps": "projector_ln_eps", "vt_norm_eps": "norm_eps"}
+_VISION_IGNORED = frozenset({"_attn_implementation", "model_type", "transformers_version"})
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 tower + patch-merger projector (vision.md §1), read from `vision_config`."""
+
+    patch_size: int = 14
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_attention_heads: int = 12
+    qkv_hidden_size: int = 1536
+    num_hidden_layers: int = 27
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    # Only video uses the temporal table; K3 takes images (T = 1), so this is recorded, not used.
+    pos_emb_time: int = 4
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    mm_hidden_size: int = 1024
+    text_hidden_size: int = 7168
+    projector_ln_eps: float = 1e-5
+    # The tower norms are torch `nn.RMSNorm(dim)` without eps: float32's eps whatever the dtype.
+    norm_eps: float = 2.0 ** -23
+    media_placeholder_token_id: int = 163605
+
+    def __post_init__(self):
+        object.__setattr__(self, "merge_kernel_size", tuple(int(k) for k in self.merge_kernel_size))
+        def fail(field: str, msg: str):
+            raise ConfigError(f"VisionConfig.{field}: {msg}")
+
+        for f in ("patch_size", "hidden_size", "intermediate_size", "num_attention_heads", "qkv_hidden_size",
+                  "num_hidden_layers", "pos_emb_height", "pos_emb_width", "text_hidden_size"):
+            if getattr(self, f) <= 0:
+                fail(f, f"must be > 0, got {getattr(self, f)}")
+        if self.qkv_hidden_size % self.num_attention_heads:
+            fail("qkv_hidden_size", f"{self.qkv_hidden_size} is not a multiple of num_attention_heads="
+                 f"{self.num_attention_heads}")
+        if self.head_dim % 4:
+            fail("qkv_hidden_size", f"head_dim {self.head_dim} must be a multiple of 4 for the 2-D RoPE")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) <= 0:
+            fail("merge_kernel_size", f"{list(self.merge_kernel_size)}, expected two positive ints")
+        if self.mm_hidden_size != self.hidden_size:
+            fail("mm_hidden_size", f"{self.mm_hidden_size}: the projector reads the tower's output, expected "
+                 f"hidden_size={self.hidden_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_attention_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """Width of one merged token: the kh x kw patches' features side by side."""
+        return self.hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_hf(cls, vc: dict, *, media_placeholder_token_id: int | None = None) -> "VisionConfig":
+        """From a release `vision_config` object; a key with an unsupported value is an error
+        (unknown keys are `ModelConfig.from_hf`'s check)."""
+        if not isinstance(vc, dict):
+            raise ConfigError(f"vision_config: expected an object, got {type(vc).__name__}")
+        for key, want in _VISION_FIXED.items():
+            if key in vc and vc[key] != want:
+                raise ConfigError(f"vision_config.{key}={vc[key]!r}: k31jax implements {want!r} (vision.md §1)")
+        fields = {f: vc[k] for k, f in _VISION_FIELDS.items() if k in vc}
+        if media_placeholder_token_id is not None:
+            fields["media_placeholder_token_id"] = int(media_placeholder_token_id)
+        return cls(**fields)
+
+    def to_hf(self) -> dict:
+        """The `vision_config` object (`from_hf` of it gives this config back)."""
+        out = {k: getattr(self, f) for k, f in _VISION_FIELDS.items()}
+        out["merge_kernel_size"] = list(self.merge_kernel_size)
+        return {**_VISION_FIXED, **out}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Text-model hyper-parameters. HF field names wherever HF has a flat field."""
@@ -131,8 +289,12 @@ class ModelConfig:
     # QAT: float master expert weights, fake-quantised to MXFP4 (floor rule, straight-through
     # gradient) in the forward pass. Requires expert_weights="bf16".
     expert_qat: bool = False
+    # The vision tower and projector (None: a text-only checkpoint).
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
+        if isinstance(self.vision, dict):  # from dataclasses.asdict / JSON
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -190,6 +352,7 @@ class ModelConfig:
         def fail(field: str, msg: str):
             raise ConfigError(f"ModelConfig.{field}: {msg}")
 
+        self._check_types()
         if len(self.layer_types) != self.num_hidden_layers:
             fail("layer_types", f"has {len(self.layer_types)} entries, expected "
                  f"num_hidden_layers={self.num_hidden_layers}")
@@ -251,6 +414,23 @@ class ModelConfig:
         if self.dtype not in ("bfloat16", "float32", "float16"):
             fail("dtype", f"{self.dtype!r}, expected 'bfloat16', 'float32' or 'float16'")
 
+    def _check_types(self) -> None:
+        """Every field's type and sane range, before any check that computes with them."""
+        try:
+            for name in _INT_BOUNDS:
+                check_int(name, getattr(self, name), optional=name in _OPTIONAL)
+            for name in _FLOAT_BOUNDS:
+                check_float(name, getattr(self, name), optional=name in _OPTIONAL)
+            for name in _BOOL_FIELDS:
+                check_bool(name, getattr(self, name))
+            for name in _STR_FIELDS:
+                if not isinstance(getattr(self, name), str):
+                    raise ConfigError(f"{name}: expected a string, got {_shown(getattr(self, name))}")
+            if not isinstance(self.layer_types, (tuple, list)):
+                raise ConfigError(f"layer_types: expected a sequence of 'kda' / 'mla', got {_shown(self.layer_types)}")
+        except ConfigError as e:
+            raise ConfigError(f"ModelConfig.{e}") from None
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -269,11 +449,18 @@ class ModelConfig:
                 path = path / "config.json"
             where = str(path)
             try:
-                source = json.loads(path.read_text())
+                source = json.loads(path.read_bytes().decode("utf-8"))
             except FileNotFoundError:
                 raise ConfigError(f"{where}: no such config file") from None
+            except OSError as e:
+                raise ConfigError(f"{where}: cannot be read ({e.strerror or e})") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(source, dict):
+            raise ConfigError(f"{where}: expected a JSON object (the config.json fields), got a "
+                              f"{type(source).__name__}")
         try:
             if not allow_unknown:
                 _check_known_keys(source)
@@ -314,6 +501,10 @@ def _check_known_keys(raw: dict) -> None:
                      and not k.startswith(("index_", "indexer_")))
     if isinstance(raw.get("text_config"), dict):
         unknown += sorted(f"(top level) {k}" for k in raw if k not in _READ_HF_KEYS and k not in IGNORED_HF_KEYS)
+    vision = raw.get("vision_config")
+    if isinstance(vision, dict):
+        unknown += sorted(f"vision_config.{k}" for k in vision
+                          if k not in _VISION_FIXED and k not in _VISION_FIELDS and k not in _VISION_IGNORED)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}: not part of this architecture (k31jax has no RoPE, "
                           "sliding window or GQA); pass allow_unknown=True to ignore them")
@@ -380,17 +571,49 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
             raise ConfigError(f"missing required field {name or key!r}")
         return container[key]
 
-    num_layers = int(need("num_hidden_layers"))
+    def num(key: str, default, *, field: str | None = None, container: dict = text, null_default: bool = False):
+        """An integer field read without conversion: 13.7, "13", true or null are errors naming
+        the key (null means `default` where the release writes null for "absent")."""
+        value = container.get(key, default)
+        if value is None and null_default:
+            value = default
+        shown = key if container is text else f"linear_attn_config.{key}"
+        try:
+            return check_int(field or key, value, optional=default is None)
+        except ConfigError as e:
+            raise ConfigError(f"{shown}{str(e)[len(field or key):]}") from None
+
+    def real(key: str, default, container: dict = text):
+        try:
+            return check_float(key, container.get(key, default), optional=default is None)
+        except ConfigError as e:
+            raise ConfigError(str(e)) from None
+
+    def flag(key: str, default, container: dict = text):
+        value = container.get(key, default)
+        shown = key if container is text else f"linear_attn_config.{key}"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{shown}: expected true or false, got {_shown(value)}")
+        return value
+
+    for key in ("num_hidden_layers", "vocab_size", "hidden_size"):
+        need(key)
+    num_layers = num("num_hidden_layers", 0)
     lac = text.get("linear_attn_config") or {}
+    if not isinstance(lac, dict):
+        raise ConfigError(f"linear_attn_config: expected an object, got {_shown(lac)}")
     unknown_lac = sorted(set(lac) - _LINEAR_ATTN_KEYS)
     if unknown_lac:
         raise ConfigError(f"linear_attn_config has unknown keys {unknown_lac}")
     layer_types = _layer_types(text, lac, num_layers)
 
     # transformers' re-saved Kimi Linear configs also spell these flat (linear_*)
-    kda_heads = int(lac.get("num_heads", text.get("linear_num_heads", 0)) or 0)
-    kda_head_dim = int(lac.get("head_dim", lac.get("head_k_dim", text.get("linear_head_dim", 0))) or 0)
-    lower_bound = lac.get("gate_lower_bound")
+    kda_heads = (num("num_heads", 0, field="kda_num_heads", container=lac, null_default=True) if "num_heads" in lac
+                 else num("linear_num_heads", 0, field="kda_num_heads", null_default=True))
+    head_key = "head_dim" if "head_dim" in lac else "head_k_dim" if "head_k_dim" in lac else None
+    kda_head_dim = (num(head_key, 0, field="kda_head_dim", container=lac, null_default=True) if head_key
+                    else num("linear_head_dim", 0, field="kda_head_dim", null_default=True))
+    lower_bound = real("gate_lower_bound", None, lac)
     # The K3 release pads A_log to head_dim; Kimi Linear stores one value per head.
     a_log_len = kda_head_dim if lower_bound is not None else kda_heads
     if "kda" in layer_types and a_log_len < kda_heads:
@@ -398,51 +621,52 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
 
     act = text.get("hidden_act", "silu")
     fields: dict[str, Any] = dict(
-        vocab_size=int(need("vocab_size")),
-        hidden_size=int(need("hidden_size")),
+        vocab_size=num("vocab_size", 0),
+        hidden_size=num("hidden_size", 0),
         num_hidden_layers=num_layers,
         layer_types=layer_types,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=real("rms_norm_eps", 1e-5),
         hidden_act=act,
-        activation_situ_beta=float(text.get("activation_situ_beta", 4.0)),
-        activation_situ_linear_beta=text.get("activation_situ_linear_beta"),
-        intermediate_size=int(text.get("intermediate_size", 0)),
-        first_k_dense_replace=int(text.get("first_k_dense_replace", 0)),
-        moe_layer_freq=int(text.get("moe_layer_freq", 1)),
-        num_attention_heads=int(text.get("num_attention_heads", 0)),
-        q_lora_rank=text.get("q_lora_rank"),
-        kv_lora_rank=int(text.get("kv_lora_rank", 0) or 0),
-        qk_nope_head_dim=int(text.get("qk_nope_head_dim", 0) or 0),
-        qk_rope_head_dim=int(text.get("qk_rope_head_dim", 0) or 0),
-        v_head_dim=int(text.get("v_head_dim", 0) or 0),
-        mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
+        activation_situ_beta=real("activation_situ_beta", 4.0),
+        activation_situ_linear_beta=real("activation_situ_linear_beta", None),
+        intermediate_size=num("intermediate_size", 0),
+        first_k_dense_replace=num("first_k_dense_replace", 0),
+        moe_layer_freq=num("moe_layer_freq", 1),
+        num_attention_heads=num("num_attention_heads", 0),
+        q_lora_rank=num("q_lora_rank", None),
+        kv_lora_rank=num("kv_lora_rank", 0, null_default=True),
+        qk_nope_head_dim=num("qk_nope_head_dim", 0, null_default=True),
+        qk_rope_head_dim=num("qk_rope_head_dim", 0, null_default=True),
+        v_head_dim=num("v_head_dim", 0, null_default=True),
+        mla_use_output_gate=flag("mla_use_output_gate", False),
         kda_num_heads=kda_heads,
         kda_head_dim=kda_head_dim,
-        kda_conv_size=int(lac.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))),
-        kda_gate_lower_bound=None if lower_bound is None else float(lower_bound),
-        kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        kda_conv_size=(num("short_conv_kernel_size", 4, field="kda_conv_size", container=lac) if "short_conv_kernel_size" in lac
+                       else num("linear_conv_kernel_dim", 4, field="kda_conv_size")),
+        kda_gate_lower_bound=lower_bound,
+        kda_full_rank_gate=flag("use_full_rank_gate", False, lac),
         kda_a_log_len=a_log_len,
-        index_topk=text.get("index_topk"),
-        index_n_heads=int(text.get("index_n_heads", 0) or 0),
-        index_head_dim=int(text.get("index_head_dim", 0) or 0),
-        num_experts=int(text.get("num_experts", 0) or 0),
-        num_experts_per_token=int(text.get("num_experts_per_token", 0) or 0),
-        num_shared_experts=int(text.get("num_shared_experts", 0) or 0),
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
-        routed_expert_hidden_size=text.get("routed_expert_hidden_size"),
-        latent_moe_use_norm=bool(text.get("latent_moe_use_norm", True)),
-        moe_renormalize=bool(text.get("moe_renormalize", True)),
+        index_topk=num("index_topk", None),
+        index_n_heads=num("index_n_heads", 0, null_default=True),
+        index_head_dim=num("index_head_dim", 0, null_default=True),
+        num_experts=num("num_experts", 0, null_default=True),
+        num_experts_per_token=num("num_experts_per_token", 0, null_default=True),
+        num_shared_experts=num("num_shared_experts", 0, null_default=True),
+        moe_intermediate_size=num("moe_intermediate_size", 0, null_default=True),
+        routed_expert_hidden_size=num("routed_expert_hidden_size", None),
+        latent_moe_use_norm=flag("latent_moe_use_norm", True),
+        moe_renormalize=flag("moe_renormalize", True),
         moe_router_activation_func=text.get("moe_router_activation_func", "sigmoid"),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-        num_expert_group=int(text.get("num_expert_group", 1) or 1),
-        topk_group=int(text.get("topk_group", 1) or 1),
-        attn_res_block_size=text.get("attn_res_block_size"),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        routed_scaling_factor=real("routed_scaling_factor", 1.0),
+        num_expert_group=num("num_expert_group", 1, null_default=True),
+        topk_group=num("topk_group", 1, null_default=True),
+        attn_res_block_size=num("attn_res_block_size", None),
+        tie_word_embeddings=flag("tie_word_embeddings", raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
         eos_token_id=raw.get("eos_token_id", text.get("eos_token_id")),
         pad_token_id=raw.get("pad_token_id", text.get("pad_token_id")),
-        max_position_embeddings=int(text.get("max_position_embeddings", 1 << 20)),
-        initializer_range=float(text.get("initializer_range", 0.02)),
+        max_position_embeddings=num("max_position_embeddings", 1 << 20),
+        initializer_range=real("initializer_range", 0.02),
         dtype=str(text.get("dtype", raw.get("dtype", "bfloat16"))),
         expert_weights="mxfp4" if _is_mxfp4(text.get("quantization_config")) else "bf16",
     )
@@ -453,6 +677,9 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
     if act == "silu":
         fields["activation_situ_linear_beta"] = None
     _check_consistent(text, fields)
+    if raw.get("vision_config") is not None:
+        fields["vision"] = VisionConfig.from_hf(raw["vision_config"],
+                                                media_placeholder_token_id=raw.get("media_placeholder_token_id"))
     return fields
 
 
@@ -471,10 +698,18 @@ def _is_mxfp4(qc) -> bool:
     return False
 
 
+def _layer_list(lac: dict, key: str) -> list[int]:
+    """A 1-indexed layer list of `linear_attn_config` (integers only)."""
+    value = lac.get(key, [])
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise ConfigError(f"linear_attn_config.{key}: expected a list of 1-indexed layer numbers, got {_shown(value)}")
+    return value
+
+
 def _layer_types(text: dict, lac: dict, num_layers: int) -> tuple[LayerType, ...]:
     if "full_attn_layers" in lac or "kda_layers" in lac:
-        full = [int(i) for i in lac.get("full_attn_layers", [])]
-        kda = [int(i) for i in lac.get("kda_layers", [])]
+        full = _layer_list(lac, "full_attn_layers")
+        kda = _layer_list(lac, "kda_layers")
         both = sorted(set(full) & set(kda))
         if both:
             raise ConfigError(f"linear_attn_config: layers {both} are in both full_attn_layers and "
@@ -488,7 +723,9 @@ def _layer_types(text: dict, lac: dict, num_layers: int) -> tuple[LayerType, ...
                 f"exactly (1-indexed); missing {missing}, out of range {extra}")
         return tuple("mla" if i + 1 in full else "kda" for i in range(num_layers))
     if "layer_types" in text:
-        names = list(text["layer_types"])
+        names = text["layer_types"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"layer_types: expected a list of names, got {_shown(names)}")
         if len(names) != num_layers:
             raise ConfigError(f"layer_types has {len(names)} entries, expected {num_layers}")
         unknown = sorted({n for n in names if n not in _LAYER_TYPE_ALIASES})

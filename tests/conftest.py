@@ -1,8 +1,12 @@
 """Test setup: 8 fake CPU devices (before any JAX op) and shared fixtures."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CLI turns on JAX's persistent compilation cache for its process (`k31jax generate`);
+# called in-process by a test it would stay on, writing to the user's cache, for the session.
+os.environ["K31JAX_COMPILE_CACHE"] = "0"
 
 import jax  # noqa: E402
 
@@ -13,6 +17,16 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k31jax import K31ForCausalLM, ModelConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """XLA:CPU compiles crashed (SIGSEGV / SIGABRT inside `backend_compile_and_load`) late in a
+    full-suite process, after thousands of programs had been compiled and kept alive by jit's
+    caches; dropping them after each test module keeps the process's JIT memory bounded."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def randomize(model, seed: int, scale: float = 0.05):

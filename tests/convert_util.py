@@ -17,7 +17,7 @@ from k31jax.conversion._synthetic import bf16_exact, write_synthetic_release
 from k31jax.ckpt import SafetensorsIndex, ShardWriter, TensorReader, read_header
 
 # A small MoonViT-like vision config (only shapes matter to the converter).
-VISION = {"vt_hidden_size": 32, "patch_size": 2, "vt_intermediate_size": 64, "qkv_hidden_size": 32,
+VISION = {"vt_hidden_size": 32, "patch_size": 2, "vt_intermediate_size": 64, "qkv_hidden_size": 32, "vt_num_attention_heads": 2,
           "vt_num_hidden_layers": 2, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "mm_hidden_size": 32,
           "merge_kernel_size": [2, 2], "text_hidden_size": 64}
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from k31jax import ConfigError, ModelConfig, preset_names
+from k31jax.config import preset_dir
 
 RELEASE = json.loads((Path(__file__).resolve().parents[1] / "configs" / "k3.json").read_text())
 
@@ -127,3 +128,68 @@ def test_transformers_flat_kimi_linear_layout():
     del flat["linear_attn_config"]
     assert ModelConfig.from_hf(flat) == nested
     assert (nested.kda_head_dim, nested.kda_num_heads, nested.kda_conv_size) == (16, 4, 4)
+
+
+# ---- field-by-field validation: types, ranges, sane upper bounds ----------------------------
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", "13", "ModelConfig.num_hidden_layers: expected an integer in [1, 4096], got '13' (str)"),
+    ("num_hidden_layers", 13.0, "ModelConfig.num_hidden_layers: expected an integer in [1, 4096], got 13.0 (float)"),
+    ("num_experts", True, "ModelConfig.num_experts: expected an integer in [0, 65536], got True (bool)"),
+    ("vocab_size", None, "ModelConfig.vocab_size: expected an integer in [1, 16777216], got null"),
+    ("hidden_size", 1 << 20, "ModelConfig.hidden_size: 1048576 is outside [1, 131072]"),
+    ("q_lora_rank", 2.5, "ModelConfig.q_lora_rank: expected an integer in [1, 131072] or null, got 2.5 (float)"),
+    ("rms_norm_eps", float("nan"), "ModelConfig.rms_norm_eps: expected a finite number, got nan (float)"),
+    ("rms_norm_eps", 0.0, "ModelConfig.rms_norm_eps: 0.0 is out of range (expected > 0.0 and <= 1.0)"),
+    ("routed_scaling_factor", "2", "ModelConfig.routed_scaling_factor: expected a finite number, got '2' (str)"),
+    ("moe_renormalize", 1, "ModelConfig.moe_renormalize: expected true or false, got 1 (int)"),
+    ("dtype", 16, "ModelConfig.dtype: expected a string, got 16 (int)"),
+])
+def test_fields_are_type_and_range_checked(field, value, message):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.preset("tiny", **{field: value})
+    assert str(e.value).endswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("thirteen", "num_hidden_layers: expected an integer in [1, 4096], got 'thirteen' (str)"),
+    (None, "num_hidden_layers: expected an integer in [1, 4096], got null"),
+    (13.7, "num_hidden_layers: expected an integer in [1, 4096], got 13.7 (float)"),  # never silently 13
+    (1e9, "num_hidden_layers: expected an integer in [1, 4096], got 1000000000.0 (float)"),
+    (10 ** 9, "num_hidden_layers: 1000000000 is outside [1, 4096]"),  # before the schedule is built
+])
+def test_from_hf_reads_integers_without_conversion(value, message):
+    raw = json.loads((preset_dir() / "tiny.json").read_text())
+    raw["text_config"]["num_hidden_layers"] = value
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf(raw)
+    assert str(e.value) == f"<dict>: {message}"
+
+
+def test_from_hf_rejects_bad_nested_and_flat_kda_fields():
+    raw = json.loads((preset_dir() / "tiny.json").read_text())
+    raw["text_config"]["linear_attn_config"]["short_conv_kernel_size"] = "4"
+    with pytest.raises(ConfigError, match=r"linear_attn_config\.short_conv_kernel_size: expected an integer"):
+        ModelConfig.from_hf(raw)
+    raw = json.loads((preset_dir() / "tiny.json").read_text())
+    raw["text_config"]["linear_attn_config"]["use_full_rank_gate"] = "yes"
+    with pytest.raises(ConfigError, match=r"linear_attn_config\.use_full_rank_gate: expected true or false"):
+        ModelConfig.from_hf(raw)
+    raw = json.loads((preset_dir() / "tiny.json").read_text())
+    raw["text_config"]["linear_attn_config"]["gate_lower_bound"] = float("-inf")
+    with pytest.raises(ConfigError, match="gate_lower_bound: expected a finite number or null, got -inf"):
+        ModelConfig.from_hf(raw)
+
+
+def test_from_hf_file_that_is_not_an_object_or_not_utf8(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="list.json: expected a JSON object .* got a list"):
+        ModelConfig.from_hf(tmp_path / "list.json")
+    (tmp_path / "latin1.json").write_bytes(b'{"model_type": "k\xe9"}')
+    with pytest.raises(ConfigError, match=r"latin1.json: not UTF-8 text \(invalid continuation byte at byte 17\)"):
+        ModelConfig.from_hf(tmp_path / "latin1.json")
+
+
+def test_presets_pass_the_field_checks():
+    for name in ("k3", "k31_pro", "kimi_linear_48b", "tiny"):
+        assert ModelConfig.preset(name).num_hidden_layers > 0

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from k31jax import convert, export
-from k31jax.conversion._convert import _verify
+from k31jax.conversion._convert import compare_with_source
 from convert_util import release_ready_model, tensors_of, write_model_release
 from k31jax import dequantize_experts, load_hf_weights
 from k31jax.ckpt import (CheckpointError, SafetensorsIndex, TensorReader, checkpoint_info, load_checkpoint,
@@ -181,7 +181,7 @@ def test_verify_catches_a_changed_byte(release, tmp_path):
         f.seek(info.start + 7)
         f.write(bytes([b[0] ^ 0x10]))
     with TensorReader() as reader, pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
-        _verify(r.dst, r.plan, reader, None, 1 << 30)
+        compare_with_source(r.dst, r.plan, reader, None, 1 << 30)
 
 
 def test_kimi_linear_layout_through_the_converter(tmp_path):

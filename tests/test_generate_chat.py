@@ -25,7 +25,7 @@ from k31jax.generate import ChatSession, Engine, GenerationResult, Request, Samp
 from k31jax.cli._generate import run_chat
 from k31jax.generate._requests import RowController
 
-SMALL = ["--max-len", "512", "--prefill-chunk", "16"]
+SMALL = ["--config", "tiny", "--max-len", "512", "--prefill-chunk", "16"]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -216,7 +216,7 @@ def test_chat_session_on_tiny_keeps_history(engine, tok):
 def test_cli_generate_prints_text_banner_and_timing(capsys):
     assert main(["generate", "--prompt", "Hello, K3", "--max-new-tokens", "6", *SMALL]) == 0
     out, err = capsys.readouterr()
-    assert "SEEDED RANDOM" in err and "'tiny'" in err
+    assert "SEEDED RANDOM" in err and "--config tiny" in err
     assert "prefill" in err and "decode" in err and "tok/s" in err
     assert out.startswith("[thinking] ") and len(out.strip()) > len("[thinking]")
     assert main(["generate", "--prompt", "Hello, K3", "--max-new-tokens", "6", "--stream",

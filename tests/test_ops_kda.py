@@ -383,3 +383,35 @@ def test_kda_mixer_left_padding():
     assert rel_err(np.asarray(y_p)[:, n_pad:], y_u) < 1e-5
     assert rel_err(s_p, s_u) < 1e-5
     np.testing.assert_allclose(np.asarray(c_p), np.asarray(c_u), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sub", [16, 64])
+def test_decayed_products_tiling_vs_float64(sub):
+    """The tiled products (kda.md §6b) equal the explicit pairwise form in float64, with a
+    softplus-scale gate whose Γ reaches -10^3 within the chunk (a whole-chunk factoring
+    would overflow)."""
+    rng = np.random.default_rng(7)
+    b, h, c, d = 2, 3, 64, 8
+    a, k = rng.standard_normal((b, h, c, d)), rng.standard_normal((b, h, c, d))
+    gamma = np.cumsum(-np.abs(rng.standard_normal((b, h, c, d))) * 30.0, axis=2)
+    want = np.einsum("bhid,bhjd,bhijd->bhij", a, k,
+                     np.exp(np.where(np.tril(np.ones((c, c), bool))[..., None],
+                                     gamma[:, :, :, None] - gamma[:, :, None], -np.inf)))
+    (got,) = _kda.decayed_products((jnp.asarray(a, jnp.float32),), jnp.asarray(k, jnp.float32),
+                                   jnp.asarray(gamma, jnp.float32), sub)
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)) and np.all(np.triu(got, 1) == 0)
+    # Γ of magnitude ~10^3 in fp32 carries ~1e-4 absolute error into each exponent
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("c,sub", [(64, 16), (48, 16), (20, 20)])
+def test_unit_lower_solve_vs_float64(c, sub):
+    rng = np.random.default_rng(c)
+    lower = np.tril(rng.standard_normal((2, 3, c, c)) * 0.3, -1)
+    rhs = (rng.standard_normal((2, 3, c, 5)), rng.standard_normal((2, 3, c, 7)))
+    got = _kda._unit_lower_solve(jnp.asarray(lower, jnp.float32), tuple(jnp.asarray(r, jnp.float32) for r in rhs), sub)
+    full = np.linalg.solve(np.eye(c) + lower, np.concatenate(rhs, -1))
+    want = (full[..., :5], full[..., 5:])
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(np.asarray(g, np.float64) - w).max() <= 1e-4 * np.abs(w).max()

@@ -331,3 +331,26 @@ def test_budget_forced_output_parses_cleanly():
     parser.finish()
     msg = parser.result()
     assert msg.reasoning_content == "long t ok." and msg.content == "Answer" and state.think_count == 6
+
+
+# ---- lone surrogates (legal in JSON strings, not encodable as UTF-8) ---------------------
+@pytest.mark.parametrize("text, want", [
+    ("a\ud800b", "a\ufffdb"),                    # lone high surrogate
+    ("\udfffend", "\ufffdend"),                  # lone low surrogate first
+    ("x\ud83d\ude00y", "x\U0001F600y"),          # a pair split into two code points: joined
+    ("\ude00\ud83d", "\ufffd\ufffd"),            # low before high: two replacements
+])
+def test_lone_surrogates_are_replaced_the_same_on_both_tokenizers(kimi, text, want):
+    """tiktoken's `encode_ordinary` replaces lone surrogates with U+FFFD (a UTF-16 round trip);
+    ByteTokenizer does the same instead of raising UnicodeEncodeError: both decode to `want`."""
+    byte_tok = ByteTokenizer()
+    assert byte_tok.encode(text) == list(want.encode("utf-8"))
+    assert byte_tok.decode(byte_tok.encode(text)) == want
+    assert kimi.decode(kimi.encode(text)) == want
+    assert byte_tok.decode(byte_tok.encode_segments([(text, False)])) == want
+
+
+def test_a_json_escape_gives_a_lone_surrogate_that_both_tokenizers_take(kimi):
+    text = json.loads('"tool said \\ud800"')  # legal JSON, arriving as a chat message
+    assert text == "tool said \ud800"
+    assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == kimi.decode(kimi.encode(text)) == "tool said \ufffd"

@@ -19,6 +19,7 @@ Pure Python: importing this package never imports JAX (tiktoken is imported only
 from k31jax.chat._byte_tokenizer import ByteTokenizer
 from k31jax.chat._k2 import K2StreamParser, parse_k2, parse_k2_segments, render_k2
 from k31jax.chat._k3_output import K3StreamParser, parse_k3, parse_k3_segments
+from k31jax.chat._media import MediaPartError, image_part_bytes, media_block
 from k31jax.chat._parse import (ContentDelta, ParsedMessage, ParseEvent, ReasoningDelta, ToolCall, ToolCallArgsDelta,
                                 ToolCallEnd, ToolCallStart, collect_events)
 from k31jax.chat._render import (THINKING_EFFORTS, ChatTemplateError, MissingReasoningError, apply_chat_template,
@@ -36,6 +37,8 @@ __all__ = [
     # parsing
     "ContentDelta", "K3StreamParser", "ParseEvent", "ParsedMessage", "ReasoningDelta", "ToolCall",
     "ToolCallArgsDelta", "ToolCallEnd", "ToolCallStart", "collect_events", "parse_k3", "parse_k3_segments",
+    # image parts and the K3 media block
+    "MediaPartError", "image_part_bytes", "media_block",
     # K2 legacy
     "K2StreamParser", "parse_k2", "parse_k2_segments", "render_k2",
     # thinking budget

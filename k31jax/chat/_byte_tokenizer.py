@@ -8,6 +8,17 @@ from k31jax.chat import _specials as sp
 from k31jax.chat._tokenizer import TokenizerBase
 
 
+def _utf8(text: str) -> bytes:
+    """UTF-8 of `text`; lone surrogates (legal in JSON strings, not encodable) become U+FFFD
+    exactly as tiktoken's `encode_ordinary` does for `KimiTokenizer`: a round trip through
+    UTF-16 with surrogatepass / replace, which also joins a split surrogate pair into its
+    character."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
 class ByteTokenizer(TokenizerBase):
     """Ids 0..255 are the bytes; ids 256.. are special tokens with the real Kimi names.
 
@@ -34,10 +45,10 @@ class ByteTokenizer(TokenizerBase):
         self._bytes = [bytes([i]) for i in range(256)]
 
     def _encode_ordinary(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def encode_ordinary(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))  # cuts cannot change a byte-level encoding
+        return list(_utf8(text))  # cuts cannot change a byte-level encoding
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < 256:

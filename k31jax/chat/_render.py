@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from k31jax.chat._media import VIDEO_PART_TYPES
 from k31jax.chat._tokenizer import Segment, TokenizerBase, segments_to_text
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -184,8 +185,14 @@ def _content(out: list[Segment], content: Any, where: str, media_prompt: MediaPr
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text":
             _text(out, part.get("text") or "")  # each text part is its own segment
+        elif kind in VIDEO_PART_TYPES:
+            raise ChatTemplateError(f"{where}: content part {j} is a {kind} part: K3 accepts images only")
         elif media_prompt is not None and kind is not None:
-            out.append(Segment(media_prompt(part), True))
+            try:
+                block = media_prompt(part)
+            except ValueError as e:  # the image's own error (unreadable, too large, ...), located
+                raise ChatTemplateError(f"{where}: content part {j} ({kind}): {e}") from e
+            out.append(Segment(block, True))
         elif kind in ("image", "image_url"):
             _text(out, IMAGE_PLACEHOLDER)
         else:

@@ -3,11 +3,12 @@ canonical layout, the conversion plan, and loading a model (in memory from relea
 safetensors, or from a converted k31jax Orbax checkpoint onto any shardings)."""
 
 from ._hf_load import load_hf_weights
+from ._manifest import IntegrityError
 from ._orbax import checkpoint_config, checkpoint_info, load_checkpoint, load_vision
 from ._plan import CheckpointError, Plan, make_plan
 from ._release_layout import hf_config_dict, release_layout
 from ._safetensors import SafetensorsError, SafetensorsIndex, ShardWriter, TensorReader, load_tensor, read_header
 
-__all__ = ["CheckpointError", "Plan", "SafetensorsError", "SafetensorsIndex", "ShardWriter", "TensorReader",
-           "checkpoint_config", "checkpoint_info", "hf_config_dict", "load_checkpoint", "load_hf_weights",
+__all__ = ["CheckpointError", "IntegrityError", "Plan", "SafetensorsError", "SafetensorsIndex", "ShardWriter",
+           "TensorReader", "checkpoint_config", "checkpoint_info", "hf_config_dict", "load_checkpoint", "load_hf_weights",
            "load_tensor", "load_vision", "make_plan", "read_header", "release_layout"]

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
 from ..nn import abstract_model
+from ._manifest import check_checksums, check_sizes, read_manifest, require_manifest
 from ._names import stack_layers
 from ._plan import CheckpointError, layer_key
 
@@ -71,6 +72,21 @@ def quiet_orbax():
 
 
 # ----------------------------------------------------------------------------- reading
+def check_integrity(path: str | os.PathLike, *, checksums: bool) -> None:
+    """The stored files against the checkpoint's manifest (`_manifest.py`): their sizes, and
+    with `checksums` every byte. Without a manifest (a checkpoint converted before k31jax wrote
+    one) sizes are not checked and `checksums=True` is an `IntegrityError`."""
+    path = Path(path)
+    if not path.is_dir():
+        return  # `checkpoint_info` names the problem
+    manifest = require_manifest(path) if checksums else read_manifest(path)
+    if manifest is None:
+        return
+    check_sizes(path, manifest)
+    if checksums:
+        check_checksums(path, manifest)
+
+
 def checkpoint_info(path: str | os.PathLike) -> dict:
     """The k31jax metadata of a complete converted checkpoint, or a `CheckpointError`."""
     path = Path(path).absolute()
@@ -186,6 +202,7 @@ def load_checkpoint(
     dtype=None,
     shardings=None,
     max_bytes_per_call: int = 2 << 30,
+    verify: bool = False,
 ):
     """Restore a converted checkpoint as a ready `K31ForCausalLM`.
 
@@ -196,8 +213,12 @@ def load_checkpoint(
     abstract state of `nnx.get_abstract_model`) of shardings / arrays carrying one.
     Layers are restored in calls of at most `max_bytes_per_call` bytes. The vision subtree
     is not read (see `load_vision`).
+    verify: check every stored byte against the checksum manifest first (reads the whole
+    checkpoint once more); without it only the files' sizes are checked. A damaged or
+    truncated file is an `IntegrityError` naming it.
     """
     path = Path(path).absolute()
+    check_integrity(path, checksums=verify)
     info = checkpoint_info(path)
     cfg = checkpoint_config(info, dtype=str(jnp.dtype(dtype or jnp.bfloat16)))
     abstract = abstract_model(cfg)

@@ -35,8 +35,8 @@ from ._safetensors import DTYPES, TensorInfo, no_gc
 from ._transforms import (FLOAT_DTYPES, CheckpointError, Entry, build_value, build_values, canonical_tensors, expected_dtypes,
                           expected_shapes, get_path, unbuild_value)
 
-__all__ = ["CheckpointError", "Entry", "Plan", "build_value", "build_values", "canonical_tensors", "expected_dtypes",
-           "expected_shapes", "layer_key", "make_plan", "unbuild_value"]
+__all__ = ["STORE_DTYPES", "CheckpointError", "Entry", "Plan", "build_value", "build_values", "canonical_tensors",
+           "expected_dtypes", "expected_shapes", "layer_key", "make_plan", "stored_float_dtype", "unbuild_value"]
 
 def layer_key(layer: int) -> str:
     return f"layer_{layer:03d}"
@@ -114,6 +114,23 @@ class Plan:
     @property
     def stored_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+
+# What `dtype=` may store the non-expert weights as: the model's own parameter dtypes (an
+# integer or 8-bit float would silently change the weights).
+STORE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def stored_float_dtype(dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype if it is one of `STORE_DTYPES`, else a `CheckpointError`."""
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is None or d.name not in STORE_DTYPES:
+        raise CheckpointError(f"dtype={dtype!r}: the non-expert weights can be stored as {', '.join(STORE_DTYPES)} "
+                              "only (floating types that hold the release's values)")
+    return d
 
 
 def _set(tree: dict, key, value) -> None:
@@ -293,7 +310,7 @@ def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_mi
     _count_checks(cfg, names, tensors, pre, problems)
     if abstract is None:
         abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
-    store_dtype = None if dtype is None else np.dtype(dtype)
+    store_dtype = None if dtype is None else stored_float_dtype(dtype)
     entries: list[Entry] = []
     used: set[str] = set()
     sources = param_sources(cfg, names)

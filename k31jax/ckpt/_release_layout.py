@@ -72,11 +72,16 @@ def hf_config_dict(cfg: ModelConfig, *, vision_config: dict | None = None) -> di
         text.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim)
     if cfg.expert_weights == "mxfp4" and cfg.moe_layers:
         text["quantization_config"] = json.loads(json.dumps(QUANTIZATION_CONFIG))
+    if vision_config is None and cfg.vision is not None:
+        vision_config = cfg.vision.to_hf()
     if _style(cfg) == "kimi_linear" and vision_config is None:
         return text
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-            "vision_config": vision_config, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": False, "dtype": "bfloat16"}
+    out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+           "vision_config": vision_config, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+           "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": False, "dtype": "bfloat16"}
+    if cfg.vision is not None:
+        out["media_placeholder_token_id"] = cfg.vision.media_placeholder_token_id
+    return out
 
 
 def vision_tensors(vc: dict, text_hidden: int) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -91,14 +91,22 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
+    # The format's metadata is a string -> string map; export writes it back verbatim.
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SafetensorsError(f"{path}: __metadata__ must map strings to strings, got {meta!r:.200}")
     base = 8 + n
     infos = {}
     for name, h in header.items():
         try:
-            dtype, shape, (a, b) = h["dtype"], tuple(map(int, h["shape"])), h["data_offsets"]
-            a, b = int(a), int(b)
+            dtype, shape, (a, b) = h["dtype"], h["shape"], h["data_offsets"]
+            # integers only: 16.0, "16", true or Infinity in a shape or an offset are malformed
+            if not isinstance(dtype, str) or not isinstance(shape, list) or not all(
+                    type(x) is int and x >= 0 for x in (*shape, a, b)):
+                raise TypeError
+            shape = tuple(shape)
         except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {h!r}") from None
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {h!r:.200} (expected "
+                                   "dtype: string, shape: non-negative integers, data_offsets: two integers)") from None
         if dtype not in DTYPES and dtype != "F4":
             raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if not 0 <= a <= b:
@@ -191,6 +199,10 @@ class SafetensorsIndex:
                 weight_map = raw["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise KeyError("weight_map is not an object")
+                bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str)]
+                if bad:
+                    raise TypeError(f"weight_map maps {bad[0][0]!r} to {bad[0][1]!r}, expected a shard file name"
+                                    f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise SafetensorsError(f"{index}: not a valid index ({e})") from None
             self.index_metadata = raw.get("metadata") or {}

@@ -1,21 +1,22 @@
 """The `k31jax` command line: the top layer, importing each command's module directly.
 
-info / plan (`_paper`), convert / export (`_convert`), generate / chat (`_generate`),
-train / eval / plot (`_train`).
+info / plan (`_paper`), convert / export / verify (`_convert`), generate / chat (`_generate`),
+train / eval / plot (`_train`), serve (`_serve`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import _convert, _generate, _paper, _train
+from . import _convert, _generate, _paper, _serve, _train
+from ._common import CliParser
 
 REGISTRARS = (_paper.register_info, _generate.register, _generate.register_chat, _convert.register,
-              _paper.register_plan, _train.register)
+              _paper.register_plan, _train.register, _serve.register)
 
 
 def build_parser(prog: str = "k31jax") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Kimi K3.1 Pro in JAX: run, convert, plan.")
+    parser = CliParser(prog=prog, description="Kimi K3.1 Pro in JAX: run, convert, plan.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for register in REGISTRARS:
         register(sub)

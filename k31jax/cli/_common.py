@@ -1,12 +1,92 @@
-"""Flags and context shared by the commands: multi-process settings and the --mesh."""
+"""What every command shares: one-line errors and exit codes (`install`, `CliParser`),
+argument checks, multi-process settings and the --mesh (`cli_context`).
+
+Exit codes: 0 done; 1 a runtime error (bad input file, damaged checkpoint, I/O error, disk
+full); 2 a usage error (a bad flag or argument value, found before any model is built);
+128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM). Every failure is one line
+`k31jax CMD: error: ...` on stderr; `--debug` prints the traceback before it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import math
+import signal
+import sys
+import traceback
+from collections.abc import Callable
 
+from ..ckpt import CheckpointError, SafetensorsError
+from ..config import ConfigError
+from ..conversion import Interrupted, SourceOverlapError
 from ..distributed import initialize, shard_model
-from ..sharding import activate, make_mesh
+from ..sharding import RULE_TABLES, activate, make_mesh, parse_mesh
+
+EXIT_ERROR, EXIT_USAGE = 1, 2
+
+
+class UsageError(Exception):
+    """A command-line argument that cannot work (exit code 2), found before any heavy work."""
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `k31jax CMD: error: ... (see k31jax CMD --help)`,
+    exit 2 (argparse's default prints the whole usage block first). Subcommand parsers
+    inherit the class."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def fail(command: str, message: str, code: int, debug: bool = False) -> int:
+    """Print the one error line (the traceback of the exception being handled first with
+    `debug`) and return `code`."""
+    if debug:
+        traceback.print_exc()
+    print(f"{command}: error: {message}", file=sys.stderr)
+    return code
+
+
+def report(command: str, exc: BaseException, debug: bool = False, signum: int | None = None) -> int:
+    """The exit code for an exception ending a command, after its one error line."""
+    if isinstance(exc, Interrupted):
+        signum = signum or signal.SIGINT
+        return fail(command, f"interrupted by {signal.Signals(signum).name}: {exc}", 128 + signum, debug)
+    if isinstance(exc, KeyboardInterrupt):
+        return fail(command, "interrupted by SIGINT", 128 + signal.SIGINT, debug)
+    if isinstance(exc, (UsageError, SourceOverlapError)):
+        return fail(command, str(exc), EXIT_USAGE, debug)
+    if isinstance(exc, (CheckpointError, SafetensorsError, ConfigError)):
+        return fail(command, str(exc), EXIT_ERROR, debug)
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if exc.filename else ""
+        return fail(command, f"{exc.strerror or exc}{where}", EXIT_ERROR, debug)
+    if isinstance(exc, ValueError):  # the library's own checks of values (sampling, requests, data)
+        return fail(command, " ".join(str(exc).split()), EXIT_ERROR, debug)
+    text = " ".join(str(exc).split())  # a bug or an unexpected library error: still one line
+    return fail(command, f"{type(exc).__name__}: {text} (rerun with --debug for the traceback)", EXIT_ERROR, debug)
+
+
+def run_command(command: str, run: Callable, validate: Callable | None, args: argparse.Namespace) -> int:
+    """`validate(args)` (usage errors, before anything is built), then `run(args)`; every
+    exception becomes one line and an exit code (`report`)."""
+    try:
+        if validate is not None:
+            validate(args)
+        return run(args)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the command line's last word
+        return report(command, e, getattr(args, "debug", False))
+
+
+def install(parser: argparse.ArgumentParser, command: str, run: Callable, *,
+            validate: Callable | None = None) -> None:
+    """Make `run(args)` the command `k31jax COMMAND`: arguments checked by `validate` first,
+    a `--debug` flag, and one error line with the documented exit code for any failure."""
+    if "--debug" not in parser._option_string_actions:
+        parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    parser.set_defaults(func=functools.partial(run_command, f"k31jax {command}", run, validate))
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,3 +154,61 @@ class cli_context:
     def __exit__(self, *exc):
         self._stack.close()
         return False
+
+
+# ---- argument checks (UsageError names the flag) --------------------------------------
+def check_int(flag: str, value, *, low: int | None = None, high: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if (low is not None and value < low) or (high is not None and value > high):
+        want = (f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise UsageError(f"{flag} {value}: expected an integer {want}")
+
+
+def check_float(flag: str, value, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    ok = math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"<= {high}"
+        want = " and ".join(x for x in (lo, hi) if x)
+        raise UsageError(f"{flag} {value}: expected a finite number{' ' + want if want else ''}")
+
+
+def check_mesh_args(args: argparse.Namespace) -> None:
+    """The multi-process flags of `add_distributed_arguments`, and a --mesh that parses."""
+    check_int("--num-processes", getattr(args, "num_processes", None), low=1, optional=True)
+    check_int("--process-id", getattr(args, "process_id", None), low=0, optional=True)
+    n, pid = getattr(args, "num_processes", None), getattr(args, "process_id", None)
+    if n is not None and pid is not None and pid >= n:
+        raise UsageError(f"--process-id {pid}: expected < --num-processes {n}")
+    check_int("--num-cpu-devices", getattr(args, "num_cpu_devices", None), low=1, optional=True)
+    ids = getattr(args, "local_device_ids", None)
+    if ids:
+        parts = ids.split(",")
+        if not all(p.strip().isdigit() for p in parts):
+            raise UsageError(f"--local-device-ids {ids!r}: expected comma-separated integers >= 0")
+    spec = getattr(args, "mesh", None)
+    if spec:
+        check_mesh_spec("--mesh", spec)
+    check_rules("--rules", getattr(args, "rules", None))
+
+
+def check_mesh_spec(flag: str, spec: str) -> None:
+    """`axis=size,...` with known axes and sizes >= 1 (parsed only: no devices needed)."""
+    try:
+        parse_mesh(spec)
+    except (ValueError, TypeError) as e:
+        shown = f"{flag}: {e}" if repr(spec) in str(e) else f"{flag} {spec!r}: {e}"
+        raise UsageError(shown) from None
+
+
+def check_rules(flag: str, name: str | None) -> None:
+    if name is not None and name not in RULE_TABLES:
+        raise UsageError(f"{flag} {name!r}: expected one of {', '.join(sorted(RULE_TABLES))}")

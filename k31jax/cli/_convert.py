@@ -1,10 +1,12 @@
-"""`k31jax convert` and `k31jax export` (also `python convert/convert.py`, `python convert/export.py`).
+"""`k31jax convert`, `k31jax export` and `k31jax verify` (also `python convert/convert.py`,
+`python convert/export.py`).
 
-Exit codes: 0 done, 1 runtime error (bad input, DST refused or locked, disk full, I/O
-error), 2 usage (bad flags, no DST, DST overlapping SRC), 130 SIGINT, 143 SIGTERM. Every
-failure is one `k31jax <cmd>: error: ...` line on stderr (the traceback too with --debug).
-SIGINT / SIGTERM stop the run at its next safe point (after the write call in flight): the
-temporary folder is removed and DST is untouched.
+Exit codes: 0 done, 1 runtime error (bad input, damaged checkpoint, DST refused or locked,
+disk full, I/O error, `--strict` and a NaN / Inf), 2 usage (bad flags, no DST, DST
+overlapping SRC), 130 SIGINT, 143 SIGTERM. Every failure is one `k31jax <cmd>: error: ...`
+line on stderr (the traceback too with --debug). SIGINT / SIGTERM stop the run at its next
+safe point (after the write call in flight): the temporary folder is removed and DST is
+untouched.
 """
 
 from __future__ import annotations
@@ -14,13 +16,10 @@ import logging
 import signal
 import sys
 import threading
-import traceback
 
-from ..ckpt import CheckpointError, SafetensorsError
-from ..config import ConfigError
-from ..conversion import Interrupted, SourceOverlapError, convert, export
-
-EXIT_ERROR, EXIT_USAGE = 1, 2
+from ..ckpt._plan import STORE_DTYPES
+from ..conversion import convert, export, verify_checkpoint
+from ._common import UsageError, check_float, install, report
 
 
 @contextlib.contextmanager
@@ -71,48 +70,53 @@ def _stop_on_signals(stop: threading.Event):
             signal.signal(sig, old)
 
 
-def _run(command: str, args, work) -> int:
-    """Run `work(stop)` and turn every way it can end into an exit code and at most one line."""
-    stop = threading.Event()
+def _stoppable(command: str, work):
+    """`work(args, stop)` as a command: quiet logs, SIGINT / SIGTERM as a stop request, and
+    the signal's exit code (128 + N) when it stopped the run."""
+    def run(args) -> int:
+        stop = threading.Event()
+        with _quiet_logs(args.debug), _stop_on_signals(stop) as received:
+            try:
+                return work(args, stop)
+            except Exception as e:  # noqa: BLE001 - every failure: one line, its exit code
+                return report(command, e, args.debug, received[0] if received else None)
+    return run
 
-    def fail(message: str, code: int) -> int:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{command}: error: {message}", file=sys.stderr)
-        return code
 
-    with _quiet_logs(args.debug), _stop_on_signals(stop) as received:
-        try:
-            work(stop)
-        except Interrupted as e:
-            signum = received[0] if received else signal.SIGINT
-            return fail(f"interrupted by {signal.Signals(signum).name}: {e}", 128 + signum)
-        except SourceOverlapError as e:
-            return fail(str(e), EXIT_USAGE)
-        except (CheckpointError, SafetensorsError, ConfigError) as e:
-            return fail(str(e), EXIT_ERROR)
-        except OSError as e:
-            return fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}", EXIT_ERROR)
-        except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: still one line
-            text = " ".join(str(e).split())
-            return fail(f"{type(e).__name__}: {text} (rerun with --debug for the traceback)", EXIT_ERROR)
+def _check_convert_args(args) -> None:
+    if not args.dry_run and args.dst is None:
+        raise UsageError("DST is required (or pass --dry-run)")
+    check_float("--max-call-gb", args.max_call_gb, low=0, low_open=True, high=1 << 20)
+
+
+def _convert(args, stop) -> int:
+    result = convert(args.src, args.dst, dtype=args.dtype, expert_weights=args.expert_weights,
+                     no_indexer=args.no_indexer, init_missing_indexer=args.init_missing_indexer,
+                     vision=not args.no_vision, dry_run=args.dry_run, verify=args.verify, strict=args.strict,
+                     overwrite=args.overwrite, progress=False if args.no_progress else True,
+                     max_call_bytes=max(1, int(args.max_call_gb * (1 << 30))), stop=stop)
+    if args.dry_run:
+        return 0
+    bad = result.nonfinite
+    if bad:
+        for f in bad:
+            print(f"k31jax convert: warning: non-finite values in {f.describe()}", file=sys.stderr)
+    count = sum(f.count for f in bad)
+    found = f"{count:,} in {len(bad)} tensors (listed on stderr)" if bad else "none"
+    print(f"converted {result.src} -> {result.dst}: {result.tensors:,} tensors, {result.manifest_files:,} files "
+          f"with checksums; non-finite values: {found}{'; verified against the source' if result.verified else ''}")
     return 0
 
 
-def _cmd_convert(args) -> int:
-    if not args.dry_run and args.dst is None:
-        print("k31jax convert: error: DST is required (or pass --dry-run)", file=sys.stderr)
-        return EXIT_USAGE
-    return _run("k31jax convert", args, lambda stop: convert(
-        args.src, args.dst, dtype=args.dtype, expert_weights=args.expert_weights, no_indexer=args.no_indexer,
-        init_missing_indexer=args.init_missing_indexer, vision=not args.no_vision, dry_run=args.dry_run,
-        verify=args.verify, overwrite=args.overwrite, progress=False if args.no_progress else True,
-        max_call_bytes=int(args.max_call_gb * (1 << 30)), stop=stop))
+def _export(args, stop) -> int:
+    export(args.ckpt, args.out, overwrite=args.overwrite, progress=False if args.no_progress else True, stop=stop)
+    return 0
 
 
-def _cmd_export(args) -> int:
-    return _run("k31jax export", args, lambda stop: export(
-        args.ckpt, args.out, overwrite=args.overwrite, progress=False if args.no_progress else True, stop=stop))
+def _verify(args, stop) -> int:
+    result = verify_checkpoint(args.ckpt, args.source, progress=False if args.no_progress else True, stop=stop)
+    print(result.line())
+    return 0
 
 
 def register(sub) -> None:
@@ -125,10 +129,12 @@ def register(sub) -> None:
     c.add_argument("dst", nargs="?", help="output checkpoint folder (written atomically)")
     c.add_argument("--dry-run", action="store_true", help="read headers only: print the target tree and check that "
                    "every source tensor is used exactly once and every parameter is filled")
-    c.add_argument("--verify", action="store_true", help="re-read the written checkpoint and compare it bytewise "
-                   "with the source before publishing it")
-    c.add_argument("--dtype", default=None, help="stored dtype of the non-expert weights (default: as stored in the "
-                   "release, bf16; the f32 tensors stay f32)")
+    c.add_argument("--verify", action="store_true", help="re-read the written checkpoint and compare its values "
+                   "with the source before publishing it (fails if --dtype changed any value)")
+    c.add_argument("--strict", action="store_true", help="fail on any NaN / Inf in the converted values (without "
+                   "it they are counted and listed)")
+    c.add_argument("--dtype", default=None, choices=STORE_DTYPES, help="stored dtype of the non-expert weights "
+                   "(default: as stored in the release, bf16; the f32 tensors stay f32)")
     c.add_argument("--expert-weights", choices=("mxfp4", "bf16"), default=None,
                    help="routed experts: mxfp4 = packed bytes (default for an MXFP4 release), bf16 = decoded while "
                         "streaming (for runs without MXFP4 kernels)")
@@ -143,7 +149,7 @@ def register(sub) -> None:
     c.add_argument("--max-call-gb", type=float, default=0.25, help="GiB per Orbax write call (bounds memory: "
                    "whole layers packed together, a larger layer split between its leaves)")
     c.add_argument("--debug", action="store_true", help="print the traceback of an error, and Orbax's logs")
-    c.set_defaults(func=_cmd_convert)
+    install(c, "convert", _stoppable("k31jax convert", _convert), validate=_check_convert_args)
 
     e = sub.add_parser("export", help="k31jax Orbax checkpoint -> release safetensors layout (byte-exact)",
                        description="Write a converted checkpoint back in the release layout; with the layout "
@@ -154,4 +160,17 @@ def register(sub) -> None:
                    "empty folder (after the new one is complete); anything else is never replaced")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--debug", action="store_true", help="print the traceback of an error, and Orbax's logs")
-    e.set_defaults(func=_cmd_export)
+    install(e, "export", _stoppable("k31jax export", _export))
+
+    v = sub.add_parser("verify", help="check a converted checkpoint: every stored byte against its checksums, "
+                                      "and with --source the round trip to the release",
+                       description="Check every file of a converted checkpoint against its manifest (byte counts "
+                                   "and XXH3-128 checksums written by `k31jax convert`); with --source also restore "
+                                   "every stored leaf and compare it with the release tensors it came from. "
+                                   "Read-only. Exit 0: intact; 1: damaged or different (the line names the file, "
+                                   "leaf or tensor); 2: usage.")
+    v.add_argument("ckpt", help="converted checkpoint folder (DST of `k31jax convert`)")
+    v.add_argument("--source", default=None, help="the release folder it was converted from (round trip check)")
+    v.add_argument("--no-progress", action="store_true")
+    v.add_argument("--debug", action="store_true", help="print the traceback of an error, and Orbax's logs")
+    install(v, "verify", _stoppable("k31jax verify", _verify))

@@ -1,5 +1,6 @@
 """`k31jax generate` and `k31jax chat`: K3 chat-format generation from a checkpoint or the
-embedded default model (a seeded random `tiny` until trained weights ship; a banner says so).
+embedded default model (trained on Python sources without chat data, so `generate` completes
+raw text with it unless `--chat` is given), or a preset with seeded random weights (`--config`).
 
 Output: reasoning dimmed (labelled ``[thinking]`` when stdout is not a terminal), then the
 answer; tool calls as JSON lines; a timing line (prefill tok/s, decode tok/s) on stderr.
@@ -17,8 +18,9 @@ import jax
 
 from ..chat import (ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                     apply_chat_template)
+from ..config import preset_names
 from ..generate import DEFAULT_MODEL, ChatSession, Engine, SamplingParams, load_model
-from ._common import add_distributed_arguments, cli_context
+from ._common import UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context, install
 
 DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
 
@@ -100,14 +102,15 @@ def _enable_compile_cache() -> None:
 
 
 def _engine(args):
+    """(Engine, the loaded model's `raw_completion`)."""
     _enable_compile_cache()
     loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
                         tokenizer=args.tokenizer)
     if loaded.banner:
         print(f"[k31jax] {loaded.banner}", file=sys.stderr)
     model = args.sharding.place(loaded.model) if getattr(args, "sharding", None) else loaded.model
-    return Engine(model, loaded.tokenizer, max_len=args.max_len,
-                  prefill_chunk=args.prefill_chunk)
+    engine = Engine(model, loaded.tokenizer, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
+    return engine, loaded.raw_completion
 
 
 def _params(args):
@@ -128,9 +131,13 @@ def _timing(result) -> None:
 
 # ---- generate -------------------------------------------------------------------------
 def _cmd_generate(args) -> int:
-    engine = _engine(args)
+    engine, raw_model = _engine(args)
     tok = engine.tokenizer
     thinking = not args.no_think
+    args.raw = args.raw or (raw_model and not args.chat)
+    if args.raw and raw_model and not args.chat:
+        print("[k31jax] raw completion (this model saw no chat data; --chat wraps the prompt in the chat format)",
+              file=sys.stderr)
     if args.raw:
         prompt = tok.encode(args.prompt)
         if tok.bos_id is not None:
@@ -260,8 +267,11 @@ def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, e
 
 
 def _cmd_chat(args) -> int:
-    engine = _engine(args)
-    session = ChatSession(engine, system=args.system, tools=load_tools(args.tools),
+    engine, raw_model = _engine(args)
+    if raw_model:
+        print("[k31jax] note: this model saw no chat data; its answers continue text rather than follow "
+              "instructions", file=sys.stderr)
+    session = ChatSession(engine, system=args.system, tools=args.tool_list,
                           effort=_effort(args), thinking=not args.no_think, params=_params(args),
                           max_new_tokens=args.max_new_tokens,
                           thinking_budget=args.thinking_budget, stop=tuple(args.stop))
@@ -276,8 +286,9 @@ def _cmd_chat(args) -> int:
 def _common(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint folder: Orbax (from `k31jax convert`) or safetensors")
-    src.add_argument("--config", default=DEFAULT_MODEL,
-                     help=f"preset for seeded random weights (default: {DEFAULT_MODEL})")
+    src.add_argument("--config", default=None,
+                     help=f"preset with seeded random weights instead of the embedded default model "
+                          f"({DEFAULT_MODEL}, trained); e.g. tiny")
     p.add_argument("--effort", choices=["low", "high", "max", "none"], default="max",
                    help="thinking effort message (default: max; none: no effort message)")
     p.add_argument("--no-think", action="store_true", help="thinking off (no think channel)")
@@ -320,8 +331,13 @@ def register(sub) -> None:
     _common(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
-    gen.add_argument("--raw", action="store_true", help="no chat template: BOS + prompt text")
-    gen.set_defaults(func=_sharded(_cmd_generate_entry), max_new_tokens_default=32)
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true",
+                      help="no chat template: BOS + prompt text (the default for the embedded model)")
+    mode.add_argument("--chat", action="store_true", help="wrap the prompt in the K3 chat format even for a "
+                                                          "model trained without chat data")
+    gen.set_defaults(max_new_tokens_default=32)
+    install(gen, "generate", _sharded(_cmd_generate_entry), validate=_check_args)
 
 
 def register_chat(sub) -> None:
@@ -330,7 +346,39 @@ def register_chat(sub) -> None:
     _common(chat)
     chat.add_argument("--tools", help="JSON file: a list of tools in OpenAI form")
     chat.add_argument("--system", help="system prompt")
-    chat.set_defaults(func=_sharded(_cmd_chat_entry), max_new_tokens_default=256)
+    chat.set_defaults(max_new_tokens_default=256)
+    install(chat, "chat", _sharded(_cmd_chat_entry), validate=_check_args)
+
+
+def _check_args(args) -> None:
+    """Every argument of generate / chat checked before anything is loaded or compiled
+    (`UsageError`: exit 2); a --tools file is read here too."""
+    try:
+        _params(args)
+    except ValueError as e:
+        raise UsageError(str(e).replace("invalid SamplingParams: ", "sampling: ")) from None
+    check_int("--thinking-budget", args.thinking_budget, low=0, optional=True)
+    check_int("--max-new-tokens", args.max_new_tokens, low=1, optional=True)
+    check_int("--max-len", args.max_len, low=1)
+    check_int("--prefill-chunk", args.prefill_chunk, low=1)
+    if args.dtype is not None and args.dtype not in ("bfloat16", "float32", "float16"):
+        raise UsageError(f"--dtype {args.dtype!r}: expected bfloat16, float32 or float16")
+    if args.ckpt is not None and not Path(args.ckpt).is_dir():
+        raise UsageError(f"--ckpt {args.ckpt}: no such checkpoint folder")
+    if args.config is not None and args.config not in preset_names():
+        raise UsageError(f"--config {args.config!r}: not a preset (presets: {', '.join(preset_names())})")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such folder")
+    if any(not s for s in args.stop):
+        raise UsageError("--stop: an empty stop string would end every answer at once")
+    check_mesh_args(args)
+    tools = getattr(args, "tools", None)
+    try:
+        args.tool_list = load_tools(tools)
+    except OSError as e:
+        raise UsageError(f"--tools {tools}: {e.strerror or e}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not a list of tool objects
+        raise UsageError(f"--tools {tools}: {' '.join(str(e).split())}") from None
 
 
 def _defaults(args):

@@ -6,17 +6,40 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..config import ModelConfig, preset_names
 from ..distributed import DEVICES, plan_memory, plan_training, suggest_mesh, suggest_training_mesh
 from ..distributed._plan import GB
 from ..distributed._plan_train import MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS
 from ..nn import REMAT_POLICIES
 from ..nn import count_params
 from ..sharding import RULE_TABLES, mesh_str
+from ..vision import count_vision_params
+from ._common import UsageError, check_float, check_int, check_mesh_spec, install
 
 
 def _config(spec: str) -> ModelConfig:
     return ModelConfig.from_hf(spec) if Path(spec).exists() else ModelConfig.preset(spec)
+
+
+def _check_config_arg(spec: str) -> None:
+    if not Path(spec).exists() and spec not in preset_names():
+        raise UsageError(f"--config {spec!r}: no such config file, and not a preset (presets: "
+                         f"{', '.join(preset_names())})")
+
+
+def _check_info_args(args) -> None:
+    _check_config_arg(args.config)
+
+
+def _check_plan_args(args) -> None:
+    _check_config_arg(args.config)
+    check_mesh_spec("--mesh", args.mesh)
+    for flag in ("batch", "context", "chunk", "seq_len", "micro_batch", "grad_accum", "vocab_chunk"):
+        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
+    check_int("--prefill-batch", args.prefill_batch, low=1, optional=True)
+    check_float("--usable", args.usable, low=0, low_open=True, high=1)
+    if args.train and args.expert_weights:
+        raise UsageError("--expert-weights does not apply with --train (QAT trains float master experts)")
 
 
 def _cmd_info(args) -> int:
@@ -26,21 +49,26 @@ def _cmd_info(args) -> int:
           f"{len(cfg.mla_layers)} MLA{' + lightning indexer' if cfg.use_indexer else ''}), "
           f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}, hidden {cfg.hidden_size}")
     print(counts.table())
+    if cfg.vision is not None:
+        vision = count_vision_params(cfg.vision)
+        v = cfg.vision
+        print(f"\nvision (MoonViT-V2, {v.num_hidden_layers} blocks, width {v.hidden_size}; counted on the abstract model)")
+        print(f"  {'vision tower':<28}{vision['tower']:>18,}")
+        print(f"  {'projector (patch merger)':<28}{vision['projector']:>18,}")
+        print(f"  {'vision total':<28}{vision['tower'] + vision['projector']:>18,}")
     return 0
 
 
 def register_info(sub) -> None:
     info = sub.add_parser("info", help="parameter counts and bytes of a config, on paper")
     info.add_argument("--config", default="k31_pro", help="preset name or path to a config.json")
-    info.set_defaults(func=_cmd_info)
+    install(info, "info", _cmd_info, validate=_check_info_args)
 
 
 _TRAIN_MAX_DEVICES = 4096
 
 
 def _cmd_plan_train(args, cfg: ModelConfig, name: str) -> int:
-    if args.expert_weights:
-        raise SystemExit("k31jax plan --train: --expert-weights does not apply (QAT trains float master experts)")
     options = dict(trainable=args.trainable, optimizer=args.optimizer, master_dtype=args.master_dtype,
                    remat=args.remat, seq_len=args.seq_len, micro_batch=args.micro_batch,
                    grad_accum=args.grad_accum, vocab_chunk=args.vocab_chunk)
@@ -114,4 +142,4 @@ def register_plan(sub) -> None:
     t.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--vocab-chunk", type=int, default=4096, help="the streamed loss's vocabulary chunk")
-    p.set_defaults(func=_cmd_plan)
+    install(p, "plan", _cmd_plan, validate=_check_plan_args)

@@ -14,6 +14,7 @@ from ..train import DataConfig, OptimConfig, TrainConfig, evaluate, load_any, pl
 from ..train._config import MASTER_DTYPES
 from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
 from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer
+from ._common import check_float, check_int, check_mesh_spec, check_rules, install
 
 # Settings a resumed run may change; everything else must stay as the run was started.
 _RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches")
@@ -161,7 +162,7 @@ def register(sub) -> None:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--no-export", action="store_true", help="skip the final release / Orbax export")
     t.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
-    t.set_defaults(func=_cmd_train)
+    install(t, "train", _cmd_train, validate=_check_train_args)
 
     e = sub.add_parser("eval", help="held-out loss and bits per byte of a checkpoint (or the embedded model)")
     e.add_argument("--ckpt", default=None, help="training run --out, converted Orbax, or safetensors folder")
@@ -177,12 +178,39 @@ def register(sub) -> None:
                    help="round float routed experts to MXFP4 first (the post-training-quantisation baseline)")
     e.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     e.add_argument("--debug", action="store_true")
-    e.set_defaults(func=_cmd_eval)
+    install(e, "eval", _cmd_eval, validate=_check_eval_args)
 
     p = sub.add_parser("plot", help="loss curves of training runs (matplotlib)")
     p.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files")
     p.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     p.add_argument("--keys", default="loss,eval_loss", help="comma-separated metric names")
     p.add_argument("--labels", default=None, help="comma-separated run labels")
-    p.set_defaults(func=_cmd_plot)
+    install(p, "plot", _cmd_plot)
+
+
+def _check_data_args(args) -> None:
+    for flag in ("seq_len", "batch_size"):
+        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
+    check_float("--holdout-fraction", args.holdout_fraction, low=0, high=0.99)
+
+
+def _check_train_args(args) -> None:
+    """The numbers of `k31jax train` (exit 2), before any data is read or model built."""
+    _check_data_args(args)
+    for flag, low in (("steps", 1), ("grad_accum", 1), ("vocab_chunk", 1), ("warmup", 0), ("lora_rank", 0),
+                      ("save_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 1)):
+        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=low, optional=True)
+    check_float("--lr", args.lr, low=0, low_open=True)
+    check_float("--min-lr-ratio", args.min_lr_ratio, low=0, high=1)
+    check_float("--lora-alpha", args.lora_alpha, low=0, low_open=True)
+    for flag in ("weight_decay", "clip_norm", "z_loss", "bias_update_rate", "balance_loss"):
+        check_float(f"--{flag.replace('_', '-')}", getattr(args, flag), low=0)
+    if args.mesh:
+        check_mesh_spec("--mesh", args.mesh)
+    check_rules("--rules", args.rules)
+
+
+def _check_eval_args(args) -> None:
+    _check_data_args(args)
+    check_int("--max-batches", args.max_batches, low=1, optional=True)
 

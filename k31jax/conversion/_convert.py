@@ -9,11 +9,15 @@ buffers (no dequantisation, no transpose) unless `expert_weights="bf16"` asks fo
 
 Safety (`_destination.py`): DST may not overlap SRC; an exclusive lock on DST is held for
 the run; everything is written into a temporary folder with a generated name next to DST,
-finalised, synced, optionally verified, and only then renamed to DST in one atomic step. An
-existing DST is replaced only with `overwrite=True`, only if it is a k31jax checkpoint or an
-empty folder, and only once the new checkpoint is complete. After any failure, interruption
-(`stop`) or disk full the writers are stopped, the temporary folder is removed, and DST holds
-nothing new.
+finalised, given its checksum manifest (`k31jax.ckpt._manifest`: every file's byte count
+and XXH3-128 digest, for `k31jax verify`, `load_checkpoint` and `export`), synced, optionally
+verified, and only then renamed to DST in one atomic step. An existing DST is replaced only
+with `overwrite=True`, only if it is a k31jax checkpoint or an empty folder, and only once the
+new checkpoint is complete. After any failure, interruption (`stop`) or disk full the writers
+are stopped, the temporary folder is removed, and DST holds nothing new.
+
+Every stored float value is checked for NaN / Inf on the way (`_values.py`): counted per
+source tensor in `ConvertResult.nonfinite`, refused with `strict=True`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ..ckpt._manifest import build_manifest, write_manifest
 from ..ckpt._orbax import ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, flatten, load_stored, quiet_orbax
 from ..ckpt._plan import CheckpointError, Plan, build_value, build_values, make_plan, unbuild_value
 from ..ckpt._safetensors import DTYPES, SafetensorsIndex, TensorReader, no_gc
@@ -41,6 +46,7 @@ from ._destination import atomic_destination, check_stop, preflight
 from ._export import EXPORT_MARKER
 from ._orbax_save import fast_partial_saves, flush_new_files, fsync_tree, literal_root, save_context, settled_writes
 from ._progress import Progress, human_bytes
+from ._values import NonFinite, nonfinite_of
 
 _ASSET_MAX_BYTES = 64 << 20
 
@@ -54,6 +60,14 @@ class ConvertResult:
     source_bytes: int
     stored_bytes: int
     verified: bool = False
+    # NaN / Inf found in the converted values, one record per source tensor that holds any
+    nonfinite: list[NonFinite] = dataclasses.field(default_factory=list)
+    manifest_files: int = 0
+
+    @property
+    def tensors(self) -> int:
+        """Source tensors converted (each checked for non-finite values)."""
+        return sum(len(e.tensors) for e in self.plan.entries)
 
     @property
     def mb_per_s(self) -> float:
@@ -67,11 +81,15 @@ def read_source(src: str | os.PathLike) -> tuple[dict, ModelConfig, SafetensorsI
         raise CheckpointError(f"{src}: no such source folder")
     cfg_path = src / "config.json"
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: missing (a release folder has config.json next to the shards)") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object (the config fields), got a {type(raw).__name__}")
     cfg = ModelConfig.from_hf(cfg_path)
     return raw, cfg, SafetensorsIndex(src)
 
@@ -183,34 +201,51 @@ def _nest(items) -> dict:
     return tree
 
 
-def _verify(ckpt: Path, plan: Plan, reader: TensorReader, progress: Progress | None, max_call_bytes: int,
-            stop: threading.Event | None = None) -> None:
+def compare_with_source(ckpt: Path, plan: Plan, reader: TensorReader, progress: Progress | None,
+                        max_call_bytes: int, stop: threading.Event | None = None, *, what: str = "--verify") -> int:
+    """Restore every stored leaf of `ckpt` and compare its values with the source tensors of
+    `plan`: a leaf copied from one or more tensors must give back each of them bytewise once
+    cast back to the source dtype, so a stored dtype that changes any value (a narrower
+    float, an integer) fails, naming the leaf, file and tensor. Decoded MXFP4 experts and
+    freshly initialised leaves are compared with a fresh conversion. Returns the number of
+    source tensors compared; `what` prefixes the error messages."""
     import orbax.checkpoint.experimental.v1 as ocp1  # heavy: imported when a conversion runs
 
     with quiet_orbax():
         stored = flatten(ocp1.metadata(ckpt).metadata)
+    compared = 0
     for group, entries in plan.calls(max_call_bytes):
         check_stop(stop)
         host = load_stored(ckpt, [e.key for e in entries], stored)
         for e in entries:
             got = host.pop(e.key)
-            lossless = e.mode in ("tensor", "stack") and all(DTYPES[t.dtype] == e.dtype for t in e.tensors)
-            if lossless:
+            if e.mode in ("tensor", "stack"):
                 for info, arr in unbuild_value(e, got, plan.cfg):
                     src = reader.read(info)
-                    if arr.shape != src.shape or arr.tobytes() != src.tobytes():
-                        diff = np.flatnonzero(arr.reshape(-1).view(np.uint8) != src.reshape(-1).view(np.uint8))
-                        raise CheckpointError(f"--verify: stored leaf {'/'.join(e.key)} does not reproduce "
-                                              f"{info.file}: tensor {info.name!r} (first differing byte "
-                                              f"{int(diff[0]) if diff.size else '?'})")
+                    compared += 1
+                    if arr.shape == src.shape and arr.tobytes() == src.tobytes():
+                        continue
+                    flat_a, flat_s = arr.reshape(-1), src.reshape(-1)
+                    diff = np.flatnonzero(flat_a.view(np.uint8) != flat_s.view(np.uint8)) if (
+                        arr.shape == src.shape) else np.zeros(0, int)
+                    at = ""
+                    if diff.size:
+                        i = int(diff[0]) // src.dtype.itemsize
+                        at = f"; first difference at element {i}: source {flat_s[i]}, stored {flat_a[i]}"
+                    cast = (f", stored as {e.dtype} from {np.dtype(DTYPES[info.dtype])}: the stored dtype changes "
+                            "its values" if e.dtype != DTYPES[info.dtype] else "")
+                    raise CheckpointError(f"{what}: stored leaf {'/'.join(e.key)} does not reproduce {info.file}: "
+                                          f"tensor {info.name!r}{cast}{at}")
             else:
                 want = build_value(e, reader, plan.cfg)
+                compared += len(e.tensors)
                 if want.shape != got.shape or want.dtype != got.dtype or want.tobytes() != got.tobytes():
-                    raise CheckpointError(f"--verify: stored leaf {'/'.join(e.key)} differs from the conversion "
-                                          f"of {e.tensors[0].file}: {e.tensors[0].name!r}"
-                                          f"{' ...' if len(e.tensors) > 1 else ''}")
+                    first = f"{e.tensors[0].file}: {e.tensors[0].name!r}" if e.tensors else "a fresh initialisation"
+                    raise CheckpointError(f"{what}: stored leaf {'/'.join(e.key)} differs from the conversion "
+                                          f"of {first}{' ...' if len(e.tensors) > 1 else ''}")
             if progress:
                 progress.update(e.source_bytes, group)
+    return compared
 
 
 def convert(
@@ -224,6 +259,7 @@ def convert(
     vision: bool = True,
     dry_run: bool = False,
     verify: bool = False,
+    strict: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
     max_call_bytes: int = 256 << 20,
@@ -235,11 +271,14 @@ def convert(
 ) -> ConvertResult:
     """Convert the release folder `src` into an Orbax checkpoint at `dst` (see module doc).
 
-    dtype: stored dtype of the non-expert weights (None keeps the release's bf16; the f32
-    tensors stay f32). expert_weights: "mxfp4" (packed bytes, the default for an MXFP4
+    dtype: stored dtype of the non-expert weights, a float type (None keeps the release's bf16;
+    the f32 tensors stay f32). expert_weights: "mxfp4" (packed bytes, the default for an MXFP4
     release) or "bf16" (decoded while streaming). no_indexer / init_missing_indexer: the
     K3.1 guard (see `k31jax.ckpt.make_plan`). dry_run: headers only, print the plan.
-    verify: re-read the written checkpoint and compare it bytewise with the source.
+    verify: re-read the written checkpoint and compare its values with the source before
+    publishing (`compare_with_source`: fails when the stored dtype changed any value).
+    strict: refuse NaN / Inf in any converted value (otherwise they are counted in
+    `ConvertResult.nonfinite`).
     overwrite: replace an existing `dst`, only if it is a k31jax checkpoint or an empty folder
     (anything else is refused, see `_destination.py`).
     progress: a progress bar on stderr (None: only when stderr is a terminal).
@@ -288,15 +327,21 @@ def convert(
             arena = arenas[i % 2]
             arena.reset(entries)
             outs = build_values(entries, reader, plan.cfg, [arena.alloc(e.shape, e.dtype) for e in entries])
-            return _nest((e.key, out) for e, out in zip(entries, outs))
+            found = [bad for e, out in zip(entries, outs) for bad in nonfinite_of(e, out)]
+            return _nest((e.key, out) for e, out in zip(entries, outs)), found
 
+        nonfinite: list[NonFinite] = []
         flushed: set[str] = set()
+        digests: dict = {}  # file identity -> checksum, hashed while the pages are cached
         flushing = None  # the previous call's files being written back while the next is saved
         with (settled_writes(), save_context(chunk_byte_size=chunk_byte_size, use_ocdbt=use_ocdbt),
               fast_partial_saves(), ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as flusher, no_gc()):
             nxt = pool.submit(build, 0) if calls else None
             for i, (group, entries) in enumerate(calls):
-                tree = nxt.result()
+                tree, found = nxt.result()
+                nonfinite += found
+                if strict and found:
+                    raise CheckpointError(_strict_message(found))
                 check_stop(stop)
                 nxt = pool.submit(build, i + 1) if i + 1 < len(calls) else None
                 ocp1.partial.save(str(tmp), tree, custom_metadata=meta if i == 0 else None)
@@ -304,7 +349,8 @@ def convert(
                 if sync:
                     if flushing is not None:
                         flushing.result()
-                    flushing = flusher.submit(flush_new_files, tmp.parent, flushed)  # saves live next to tmp
+                    flushing = flusher.submit(flush_new_files, tmp.parent, flushed,  # saves live next to tmp
+                                              digests=digests)
                 bar.update(sum(e.source_bytes for e in entries), group)
             if flushing is not None:
                 flushing.result()
@@ -312,6 +358,8 @@ def convert(
             ocp1.partial.finalize(str(tmp))
         (tmp / LAYOUT_FILE).write_text(json.dumps(_layout_record(index, plan), separators=(",", ":")))
         _copy_assets(src, tmp)
+        manifest = build_manifest(tmp, known=digests)
+        write_manifest(tmp, manifest)
         if sync:
             fsync_tree(tmp)
         seconds = time.perf_counter() - t0
@@ -319,11 +367,18 @@ def convert(
         verified = False
         if verify:
             vbar = Progress(plan.source_bytes, "verify ", enabled=progress)
-            _verify(tmp, plan, reader, vbar, max_call_bytes, stop)
+            compare_with_source(tmp, plan, reader, vbar, max_call_bytes, stop)
             vbar.close()
             verified = True
     if progress:
         print(f"converted {src} -> {dst}: {human_bytes(plan.source_bytes)} in {seconds:.1f} s "
               f"({human_bytes(plan.source_bytes / max(seconds, 1e-9))}/s){'; verified' if verified else ''}",
               file=sys.stderr)
-    return ConvertResult(src, dst, plan, seconds, plan.source_bytes, plan.stored_bytes, verified)
+    return ConvertResult(src, dst, plan, seconds, plan.source_bytes, plan.stored_bytes, verified, nonfinite,
+                         len(manifest["files"]))
+
+
+def _strict_message(found: list[NonFinite]) -> str:
+    shown = "; ".join(f.describe() for f in found[:3])
+    more = f"; and {len(found) - 3} more tensors" if len(found) > 3 else ""
+    return f"--strict: non-finite values in the source: {shown}{more}; nothing was published"

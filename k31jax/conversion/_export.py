@@ -11,7 +11,10 @@ initialised indexer) the canonical release layout for the config is written.
 
 Streaming like the converter: one layer group at a time is restored and written at its
 offsets in preallocated shard files, in a temporary folder renamed to OUT when complete,
-with the converter's safety (`_destination.py`). OUT gets a small marker file
+with the converter's safety (`_destination.py`). Before anything is written every stored
+byte is checked against the checkpoint's checksum manifest: a damaged checkpoint is refused
+(`IntegrityError`), never exported as a release that no longer matches its source. OUT gets
+a small marker file
 (`.k31jax_export.json`) so that `overwrite=True` later recognises it as an export to replace;
 any other non-empty folder is never replaced.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ckpt._manifest import IntegrityError, check_checksums, check_sizes, read_manifest
 from ..ckpt._orbax import ASSETS_DIR, checkpoint_config, checkpoint_info, flatten, load_stored, read_layout
 from ..ckpt._plan import CheckpointError, Plan, make_plan, unbuild_value
 from ..ckpt._release_layout import release_layout
@@ -100,6 +104,31 @@ def _plan_for(cfg, options, shards, tmp: Path, stored: dict):
         raise
 
 
+def _check_input(ckpt: Path, progress: bool) -> None:
+    """Every stored byte of `ckpt` against its manifest; a checkpoint without one (converted
+    before k31jax wrote manifests) is exported with a warning line."""
+    if not ckpt.is_dir():
+        return  # `checkpoint_info` names the problem
+    manifest = read_manifest(ckpt)
+    if manifest is None:
+        print(f"k31jax export: warning: {ckpt} has no checksum manifest (converted by an older k31jax); its bytes "
+              "are not checked", file=sys.stderr)
+        return
+    try:
+        total = check_sizes(ckpt, manifest, extra_files=True)
+        bar = Progress(total, "check  ", enabled=progress)
+        lock = threading.Lock()
+
+        def advance(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        check_checksums(ckpt, manifest, progress=advance)
+        bar.close()
+    except IntegrityError as e:
+        raise IntegrityError(f"{e}; export refuses a damaged checkpoint (nothing was written)") from None
+
+
 def export(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -120,13 +149,14 @@ def export(
     destination = dict(src=ckpt, overwrite=overwrite, replaceable=is_export_folder,
                        what="a release folder written by k31jax export")
     out = preflight(out, **destination)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    _check_input(ckpt, progress)
     info = checkpoint_info(ckpt)
     cfg = checkpoint_config(info)
     options = info.get("options") or {}
     stored = flatten(info["stored"])
     layout = read_layout(ckpt)
-    if progress is None:
-        progress = sys.stderr.isatty()
     with (atomic_destination(out, **destination, stage_name="release", stop=stop,
                              needed_bytes=_stored_bytes(stored), command="k31jax export") as tmp):
         tmp.mkdir()

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..ckpt._manifest import file_identity, hash_file
 from ..ckpt._orbax import quiet_orbax
 
 
@@ -159,10 +160,13 @@ def fast_partial_saves():
             setattr(mod, name, fn)
 
 
-def flush_new_files(root: Path, seen: set[str], *, sealed_depth: int = 2) -> None:
+def flush_new_files(root: Path, seen: set[str], *, sealed_depth: int = 2, digests: dict | None = None) -> None:
     """fsync the files written under `root` since the last call and drop them from the page
     cache (a streaming writer's pages are never read again; recycling them keeps the cache
     footprint of a 1.5 TB conversion at one write call). `seen` carries state between calls.
+    With `digests` each file is first hashed for the checksum manifest while its pages are
+    still cached (`digests[file_identity] = digest`), so the manifest never re-reads the bulk
+    of a conversion from disk.
 
     Orbax writes each partial save into a new folder `sealed_depth` levels below the
     converter's box (`<box>/<name>.partial_save/<pending>`) and leaves it alone until
@@ -186,6 +190,12 @@ def flush_new_files(root: Path, seen: set[str], *, sealed_depth: int = 2) -> Non
             except FileNotFoundError:  # renamed or removed by a save running meanwhile
                 continue
             try:
+                if digests is not None:
+                    before = os.fstat(fd)
+                    with contextlib.suppress(FileNotFoundError):  # renamed meanwhile: hashed at the end
+                        _, digest = hash_file(path)
+                        if file_identity(os.fstat(fd)) == file_identity(before):  # not written meanwhile
+                            digests[file_identity(before)] = digest
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:

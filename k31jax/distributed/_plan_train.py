@@ -18,12 +18,13 @@ What `k31jax.train` holds per device during `train_step`, term by term:
 - **activations** for one micro-batch of `micro_batch` rows x `seq_len` tokens: an analytic
   estimate of the values JAX saves for the backward pass (`jax.ad_checkpoint` residuals) of
   this implementation's XLA paths (what a multi-device mesh runs), derived from the code:
-    * the layer stack is one `lax.scan` whose step switches KDA / MLA and dense / MoE with
-      `lax.cond`; a differentiated `cond` saves the residuals of *both* branches, so every
-      layer saves a KDA + MLA and a dense + MoE set (when the model has both kinds);
+    * every layer's kinds are static (`k31jax.nn.layer_groups`: repeated groups are scanned,
+      the rest unrolled), so a layer saves its own mixer's and FFN's residuals only;
+    * the chunked KDA op's residuals come from JAX's own trace of `kda_chunked` at one row
+      and one head (abstract shapes, nothing allocated), scaled by the local rows and heads:
+      its sub-chunk tiling (kda.md §6b) makes a hand count fragile;
     * remat "none": every layer's intermediates, plus the per-layer weight slices its matmuls
-      read back (the stacked weights are sliced inside the step) and the QAT fake-quantised
-      expert copies, for all layers;
+      read back and the QAT fake-quantised expert copies, for all layers;
     * "dots": each layer's input carry (partial sum + AttnRes block buffer) and the outputs of
       its plain matmuls; the rest of one layer is recomputed during the backward pass;
     * "full": only each layer's input carry; one layer is recomputed at a time;
@@ -43,6 +44,7 @@ What `k31jax.train` holds per device during `train_step`, term by term:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -53,7 +55,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..nn import REMAT_POLICIES, MLAMixer
-from ..ops import make_ep_plan
+from ..ops import kda_chunked, make_ep_plan
 from ..sharding import Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh, rules_for_mesh
 from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _rules_name, _shard_bytes,
                     candidate_meshes)
@@ -67,6 +69,11 @@ MASTER_DTYPES = ("float32", "bfloat16")
 # 3 float32 Newton-Schulz coefficients.
 _COUNTER_BYTES = {"adamw": 16, "muon": 44}
 _F32 = 4
+
+try:  # what JAX keeps for a backward pass (not re-exported publicly by every jax version)
+    from jax.ad_checkpoint import saved_residuals
+except ImportError:  # pragma: no cover - older jax
+    from jax._src.ad_checkpoint import saved_residuals
 # The trainable sets and Muon's choice of matrices, as `k31jax.train._optim` makes them.
 _ROUTED_EXPERTS = re.compile(r"moe/w_(gate|up|down)(/(packed|scale))?")
 _TRAINED = {
@@ -145,18 +152,27 @@ class _Local:
         return jnp.dtype(self.cfg.dtype).itemsize
 
 
+@functools.lru_cache(maxsize=64)
+def _kda_chunk_residual_bytes(seq_len: int, head_dim: int, chunk: int) -> int:
+    """Bytes `kda_chunked` (XLA form, packed segments) saves for its backward pass for one row
+    and one head, from JAX's trace at these shapes (nothing is allocated)."""
+    sds = jax.ShapeDtypeStruct
+    x = sds((1, seq_len, 1, head_dim), jnp.float32)
+
+    def loss(q, k, v, g, beta, segment_ids):
+        o, state = kda_chunked(q, k, v, g, beta, chunk_size=chunk, impl="xla", segment_ids=segment_ids)
+        return jnp.sum(o) + jnp.sum(state)
+
+    saved = saved_residuals(loss, x, x, x, x, sds((1, seq_len, 1), jnp.float32), sds((1, seq_len), jnp.int32))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, what in saved if "from the argument" not in what)
+
+
 def _kda(loc: _Local) -> tuple[float, float]:
     """(all residuals, matmul outputs) of one KDA layer, XLA chunked form with segments."""
     cfg, a, f = loc.cfg, loc.act, _F32
-    h, dk, c_sz, k = loc.split("act_heads", cfg.kda_num_heads), cfg.kda_head_dim, cfg.kda_chunk_size, cfg.kda_conv_size
+    h, dk, k = loc.split("act_heads", cfg.kda_num_heads), cfg.kda_head_dim, cfg.kda_conv_size
     c = h * dk
-    padded = loc.rows * math.ceil(loc.seq_len / c_sz) * c_sz
-    # per chunk row and head: each of the two unit-lower solves (rhs v, rhs k) keeps two
-    # [C, d] copies per substitution step, the pairwise decay [C, dk] and its mask, and four
-    # [C] fp32 rows (kk, attn, ...) and one mask
-    scan = padded * h * c_sz * (f * (2 * dk + 2 * dk + dk) + dk + 4 * f + 1)
-    # the chunked q, k, v, g, beta and per-chunk products; the loop-invariant [C, C, dk] decay
-    scan += padded * c * (11 * f + 3) + loc.rows * h * c_sz * c_sz * (dk + 1) * f
+    scan = loc.rows * h * _kda_chunk_residual_bytes(loc.seq_len, dk, cfg.kda_chunk_size)
     convs = loc.tokens * c * ((6 * k + 27) * f + 3 * k + 6)  # conv taps, SiLU, gates, L2 norms, gated norm
     dots = loc.tokens * (5 * c + h + dk) * a  # q, k, v, f_b, g | b_proj | f_a
     return scan + convs + loc.tokens * cfg.hidden_size * a, dots  # + the layer's normalised input
@@ -219,14 +235,21 @@ def _moe(loc: _Local) -> tuple[float, float, float]:
     return experts + outside, dots, fake_quant
 
 
-def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules) -> float:
-    """One layer's slice of every stacked kind's weights (routed experts excluded), per device:
-    what a layer saves for its matmuls' backward without remat (both `cond` branches')."""
-    out = 0.0
+def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules) -> dict[str, float]:
+    """One layer's slice of each stacked kind's weights (routed experts excluded), per device:
+    what a layer of that kind saves for its matmuls' backward without remat."""
+    out = dict.fromkeys(_KINDS, 0.0)
     for path, shape, dtype, names in _param_leaves(cfg):
         if path[0] in _KINDS and not _ROUTED_EXPERTS.fullmatch("/".join(path)):
-            out += _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules), mesh_shape) / shape[0]
+            out[path[0]] += _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules),
+                                         mesh_shape) / shape[0]
     return out
+
+
+def _layer_kinds(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(mixer, FFN) kind of every layer."""
+    return [("mla" if t == "mla" else "kda", "moe" if cfg.is_moe_layer(i) else "dense")
+            for i, t in enumerate(cfg.layer_types)]
 
 
 def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, *, remat: str, seq_len: int,
@@ -241,22 +264,28 @@ def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rul
     kinds["moe"] = (moe_all, moe_dots)
     slots = cfg.num_attn_res_slots
     attn_res = 4 * (slots + 1) * n * d * _F32 if cfg.use_attn_res else 0  # two mixes: candidates, normalised
-    layer_all = sum(v[0] for v in kinds.values()) + attn_res + 6 * n * d * a  # + norms and partial sums
+    per_layer = _layer_kinds(cfg)
+    # per layer: its mixer's and FFN's residuals, + AttnRes mixes, norms and partial sums
+    layer_all = [kinds[m][0] + kinds[f][0] + attn_res + 6 * n * d * a for m, f in per_layer]
     # + the mixes' fp32 scores and one [N, D] product the recomputation starts from
-    layer_dots = sum(v[1] for v in kinds.values()) + (2 * (slots + 1) * n * _F32 if cfg.use_attn_res else 0) + n * d * a
+    layer_dots = [kinds[m][1] + kinds[f][1] + (2 * (slots + 1) * n * _F32 if cfg.use_attn_res else 0) + n * d * a
+                  for m, f in per_layer]
     carry = (slots + 1) * n * d * a
     out = {"saved_carry": 0.0, "saved_intermediates": 0.0, "saved_weight_slices": 0.0, "fake_quant": 0.0,
            "layer_backward": 0.0}
+    moe_count = sum(f == "moe" for _, f in per_layer)
     if remat == "none":
-        out["saved_intermediates"] = layers * layer_all
-        out["saved_weight_slices"] = layers * _layer_slice_bytes(cfg, mesh_shape, rules)
-        out["fake_quant"] = layers * fake_quant
+        out["saved_intermediates"] = sum(layer_all)
+        slices = _layer_slice_bytes(cfg, mesh_shape, rules)
+        out["saved_weight_slices"] = sum(slices[m] + slices[f] for m, f in per_layer)
+        out["fake_quant"] = moe_count * fake_quant
         out["layer_backward"] = 2 * carry  # the cotangents flowing into and out of the layer
     else:
         out["saved_carry"] = layers * carry
-        out["saved_intermediates"] = layers * layer_dots if remat == "dots" else 0.0
-        out["layer_backward"] = layer_all - (layer_dots if remat == "dots" else 0.0) + 2 * carry
-        out["fake_quant"] = fake_quant
+        out["saved_intermediates"] = sum(layer_dots) if remat == "dots" else 0.0
+        out["layer_backward"] = max(full - (dots if remat == "dots" else 0.0)
+                                    for full, dots in zip(layer_all, layer_dots)) + 2 * carry
+        out["fake_quant"] = fake_quant if moe_count else 0.0
     # outside the scan: embedding, output AttnRes mix, final norm, the loss's saved inputs
     out["saved_outside"] = n * d * (2 * a + (2 * (slots + 1) * _F32 if cfg.use_attn_res else 0) + 3 * _F32) + 16 * n
     out["loss_chunk"] = n * (3 * min(vocab_chunk, cfg.vocab_size) + d) * _F32

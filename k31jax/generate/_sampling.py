@@ -62,7 +62,8 @@ class SamplerState:
     """Per-row sampling state carried between steps (a pytree of `[B]` / `[B, V]` arrays).
 
     key          `[B]` typed PRNG keys, one per request seed (never split; folded with `step`).
-    step         `[]` int32, generated index of the next token.
+    step         `[]` int32, generated index of the next token; or `[B]`, one per row
+                 (continuous batching, where rows join between steps).
     temperature  `[B]` f32 (0 = greedy), top_k `[B]` i32 (0 = off), top_p / min_p /
     repetition_penalty `[B]` f32.
     seen         `[B, V]` bool: tokens of the prompt and the output (repetition penalty).
@@ -144,7 +145,8 @@ def sample_tokens(logits: Float[Array, "B V"], s: SamplerState,
         # min-p: keep p >= min_p * p_max  <=>  logit >= max + log(min_p)
         top = jnp.max(scaled, axis=-1, keepdims=True)
         scaled = jnp.where(scaled >= top + jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
-        keys = jax.vmap(jax.random.fold_in, (0, None))(s.key, s.step)
+        # `step` is `[]` (one batch started together) or `[B]` (rows joined at different steps)
+        keys = jax.vmap(jax.random.fold_in, (0, 0 if jnp.ndim(s.step) else None))(s.key, s.step)
         return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda l: greedy, logits)

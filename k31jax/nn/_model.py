@@ -1,15 +1,15 @@
 """The K3 / K3.1 Pro / Kimi Linear causal LM: embedding, the layer stack, head.
 
-Layers of one kind are stacked (`[n, ...]` parameters with a leading "layers" axis) and the
-stack is run by one `lax.scan` over all layers, switching between the KDA and MLA mixers
-(and the dense and MoE FFNs) with `lax.cond` on a static schedule, so compile time does not
-grow with depth. `scan_layers=False` unrolls the same step in Python (for tests and
-debugging); both give identical numbers.
+Layers of one kind are stacked (`[n, ...]` parameters with a leading "layers" axis). The
+stack runs as one `lax.scan` over its repeated groups of layer kinds (`layer_groups`: for K3,
+22 groups of four layers from layer 1), with the few layers outside the repeats unrolled, so compile
+time does not grow with depth and every layer's kinds are static. `scan_layers=False` unrolls
+every layer (for tests and debugging); both give identical numbers.
 
 One layer, top to bottom (`_layer_step`): AttnRes mix of the block snapshots and the partial
-sum (`_attn_res_input`), the token mixer (`_mixer_step`: KDA or MLA), the FFN (`_ffn_step`:
-dense or MoE), each added to the running partial sum. The step functions are module-level;
-what they share per call (stacked modules, backends, cache position, masks) is a `_Call`.
+sum (`_attn_res_input`), the token mixer (`_kda_step` / `_mla_step`), the FFN (`_dense_step`
+/ `_moe_step`), each added to the running partial sum. The step functions are module-level;
+what they share per call (graphdefs, backends, cache position, masks) is a `_Call`.
 """
 
 from __future__ import annotations
@@ -60,16 +60,6 @@ def _stack(n: int, make, rngs: nnx.Rngs):
     return build(rngs)
 
 
-class _Split:
-    """A stacked module split once per call, and re-merged per layer slot."""
-
-    def __init__(self, module):
-        self.graphdef, self.state = nnx.split(module)
-
-    def __getitem__(self, slot):
-        return nnx.merge(self.graphdef, jax.tree.map(lambda a: a[slot], self.state))
-
-
 def _schedule(cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Static per-layer tables: kind flags and each layer's slot within its kind's stack."""
     kinds = np.array([t == "mla" for t in cfg.layer_types])
@@ -81,6 +71,49 @@ def _schedule(cfg: ModelConfig) -> dict[str, np.ndarray]:
         is_moe=moe,
         ffn_slot=np.where(moe, np.cumsum(moe) - 1, np.cumsum(~moe) - 1).astype(np.int32),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroups:
+    """The scanned part of the stack: `count` repeats of the same `period` layer kinds from
+    layer `start`; the layers before and after it run unrolled."""
+
+    start: int
+    period: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.count
+
+
+MAX_PERIOD = 12
+
+
+def layer_groups(cfg: ModelConfig) -> LayerGroups:
+    """The run of repeated layer groups that leaves the fewest layer bodies to compile
+    (unrolled layers + one group), ties going to the shorter period.
+
+    K3 (MLA at 3, 7, ..., 91 and 92, a dense layer 0) scans 22 groups of 4 layers from layer 1
+    and unrolls 5. Scanning groups whose kinds are static, rather than single
+    layers that switch kind with `lax.cond`, is what keeps the scan's step time near the
+    unrolled stack's: a `cond` keeps both branches' residuals for the backward pass, and a
+    layer that indexes a closed-over parameter stack accumulates a full-stack gradient per
+    layer, where the group's parameters are the scan's inputs (their gradients its outputs)."""
+    kinds = list(zip(cfg.layer_types, (cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))))
+    n_layers = len(kinds)
+    best = LayerGroups(0, 1, 0)
+    best_cost = n_layers
+    for period in range(1, min(MAX_PERIOD, n_layers // 2) + 1):
+        for start in range(n_layers - 2 * period + 1):
+            group = kinds[start:start + period]
+            count = 1
+            while kinds[start + count * period:start + (count + 1) * period] == group:
+                count += 1
+            cost = n_layers - count * period + period
+            if count >= 2 and cost < best_cost:
+                best, best_cost = LayerGroups(start, period, count), cost
+    return best
 
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -107,10 +140,7 @@ class _Call:
 
     cfg: ModelConfig
     backends: Backends
-    kda: _Split | None
-    mla: _Split | None
-    dense: _Split | None
-    moe: _Split | None
+    graphdefs: dict[str, Any]        # "kda" | "mla" | "dense" | "moe" -> the stacked module's graphdef
     valid: jax.Array | None          # [B, T] real (non-padding) new tokens
     segment_ids: jax.Array | None    # [B, T] packed documents (training; no cache)
     key_valid: jax.Array             # [B, S] valid key slots (cache buffer, or the T tokens)
@@ -118,64 +148,43 @@ class _Call:
     collect: tuple[str, ...]         # per-layer intermediates to return
 
 
-def _kda_step(call: _Call, slot, x, cache: Cache | None):
+def _kda_step(call: _Call, mixer, slot, x, cache: Cache | None):
     state = None if cache is None else cache.kda_state[slot]
     conv = None if cache is None else cache.kda_conv[slot]
-    y, state, conv = call.kda[slot](x, state, conv, call.valid, backends=call.backends,
-                                    segment_ids=call.segment_ids)
+    y, state, conv = mixer(x, state, conv, call.valid, backends=call.backends, segment_ids=call.segment_ids)
     if cache is not None:
         cache = cache.replace(kda_state=cache.kda_state.at[slot].set(state),
                               kda_conv=cache.kda_conv.at[slot].set(conv))
     return y, cache
 
 
-def _mla_step(call: _Call, slot, x, cache: Cache | None):
+def _mla_step(call: _Call, mixer, slot, x, cache: Cache | None):
     if cache is None:
-        y, *_ = call.mla[slot](x, key_valid=call.key_valid, backends=call.backends, segment_ids=call.segment_ids)
+        y, *_ = mixer(x, key_valid=call.key_valid, backends=call.backends, segment_ids=call.segment_ids)
         return y, cache
     index_keys = None if cache.index_keys is None else cache.index_keys[slot]
-    y, ckv, kpe, index_keys = call.mla[slot](x, cache.mla_ckv[slot], cache.mla_kpe[slot], index_keys, pos=call.pos,
-                                             key_valid=call.key_valid, backends=call.backends)
+    y, ckv, kpe, index_keys = mixer(x, cache.mla_ckv[slot], cache.mla_kpe[slot], index_keys, pos=call.pos,
+                                    key_valid=call.key_valid, backends=call.backends)
     cache = cache.replace(mla_ckv=cache.mla_ckv.at[slot].set(ckv), mla_kpe=cache.mla_kpe.at[slot].set(kpe),
                           index_keys=None if index_keys is None else cache.index_keys.at[slot].set(index_keys))
     return y, cache
 
 
-def _mixer_step(call: _Call, is_mla, slot, x, cache):
-    """The layer's token mixer: KDA or MLA, by the static schedule (a `lax.cond` when both
-    kinds exist and the layer index is traced)."""
-    if call.kda is None or call.mla is None or isinstance(is_mla, (bool, np.bool_)):
-        use_mla = call.kda is None or (call.mla is not None and is_mla)
-        return (_mla_step if use_mla else _kda_step)(call, slot, x, cache)
-    return jax.lax.cond(is_mla, functools.partial(_mla_step, call), functools.partial(_kda_step, call),
-                        slot, x, cache)
-
-
-def _dense_step(call: _Call, slot, x):
+def _dense_step(call: _Call, ffn, x):
     b, t, _ = x.shape
     k = call.cfg.num_experts_per_token if call.cfg.moe_layers else 1
     route = dict(router_idx=jnp.zeros((b, t, k), jnp.int32), router_weights=jnp.zeros((b, t, k), jnp.float32))
     if "router_scores" in call.collect:
         route["router_scores"] = jnp.zeros((b, t, max(call.cfg.num_experts, 1)), jnp.float32)
-    return call.dense[slot](x), route
+    return ffn(x), route
 
 
-def _moe_step(call: _Call, slot, x):
-    moe = call.moe[slot]
+def _moe_step(call: _Call, moe, x):
     y, idx, weights = moe(x, backends=call.backends)
     route = dict(router_idx=idx, router_weights=weights)
     if "router_scores" in call.collect:
         route["router_scores"] = moe.scores(x)
     return y, route
-
-
-def _ffn_step(call: _Call, is_moe, slot, x):
-    """The layer's FFN: dense or LatentMoE -> (y, routing: router_idx, router_weights and,
-    when collected, router_scores; zeros for a dense layer)."""
-    if call.dense is None or call.moe is None or isinstance(is_moe, (bool, np.bool_)):
-        use_moe = call.dense is None or (call.moe is not None and is_moe)
-        return (_moe_step if use_moe else _dense_step)(call, slot, x)
-    return jax.lax.cond(is_moe, functools.partial(_moe_step, call), functools.partial(_dense_step, call), slot, x)
 
 
 def _attn_res_input(cfg: ModelConfig, norm, proj, blocks, n_blocks, prefix):
@@ -195,21 +204,33 @@ def _snapshot(cfg: ModelConfig, layer_index, blocks, n_blocks, prefix):
     return blocks, n_blocks + snap.astype(jnp.int32), jnp.where(snap, jnp.zeros_like(prefix), prefix)
 
 
-def _layer_step(call: _Call, carry, row):
-    """One decoder layer over the carry (partial sum, block snapshots, their count, cache)."""
+def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int], carry, source):
+    """One decoder layer of static kinds over the carry (partial sum, block snapshots, their
+    count, cache). `source` holds stacks: "index" / "mixer_slot" / "norms" (row `at[0]`), the
+    mixer kind's parameter state (row `at[1]`) and the FFN kind's (row `at[2]`). The rows are
+    taken here, inside the rematerialised step, so remat saves no copy of a layer's weights:
+    the stacks it saves are the step's inputs (the scan's own inputs, or the model's)."""
     cfg = call.cfg
     act = jnp.dtype(cfg.dtype)
     prefix, blocks, n_blocks, cache = carry
+    layer, mixer_row, ffn_row = at
+    row = dict(index=source["index"][layer], mixer_slot=source["mixer_slot"][layer],
+               norms=jax.tree.map(lambda a: a[layer], source["norms"]),
+               mixer=jax.tree.map(lambda a: a[mixer_row], source["mixer"]),
+               ffn=jax.tree.map(lambda a: a[ffn_row], source["ffn"]))
     norms = row["norms"]
     attn_in = _attn_res_input(cfg, norms.get("attn_res_norm"), norms.get("attn_res_proj"), blocks, n_blocks, prefix)
     if cfg.use_attn_res:
         blocks, n_blocks, prefix = _snapshot(cfg, row["index"], blocks, n_blocks, prefix)
-    attn_out, cache = _mixer_step(call, row["is_mla"], row["mixer_slot"],
-                                  rms_norm(attn_in, norms["input_norm"], cfg.rms_norm_eps), cache)
+    mixer = nnx.merge(call.graphdefs["mla" if is_mla else "kda"], row["mixer"])
+    attn_out, cache = (_mla_step if is_mla else _kda_step)(
+        call, mixer, row["mixer_slot"], rms_norm(attn_in, norms["input_norm"], cfg.rms_norm_eps), cache)
     prefix = constrain(prefix + attn_out.astype(act), "batch", "seq", "act_embed")
     cache = constrain_cache(cache)
     mlp_in = _attn_res_input(cfg, norms.get("mlp_res_norm"), norms.get("mlp_res_proj"), blocks, n_blocks, prefix)
-    mlp_out, route = _ffn_step(call, row["is_moe"], row["ffn_slot"], rms_norm(mlp_in, norms["post_norm"], cfg.rms_norm_eps))
+    ffn = nnx.merge(call.graphdefs["moe" if is_moe else "dense"], row["ffn"])
+    mlp_out, route = (_moe_step if is_moe else _dense_step)(call, ffn, rms_norm(mlp_in, norms["post_norm"],
+                                                                                 cfg.rms_norm_eps))
     prefix = constrain(prefix + mlp_out.astype(act), "batch", "seq", "act_embed")
     if cfg.use_attn_res:
         blocks = constrain(blocks, "batch", "seq", None, "act_embed")
@@ -217,21 +238,88 @@ def _layer_step(call: _Call, carry, row):
     return (prefix, blocks, n_blocks, cache), {k: seen[k] for k in call.collect}
 
 
-def _run_layers(call: _Call, carry, norms_state: dict, *, scan_layers: bool, remat: str):
-    """All layers over the carry: one `lax.scan` over the schedule rows, or a Python loop."""
-    sched = _schedule(call.cfg)
-    step = _remat(lambda c, row: _layer_step(call, c, row), remat)
-    if scan_layers:
-        rows = {k: jnp.asarray(v) for k, v in sched.items()}
-        rows["norms"] = norms_state
-        return jax.lax.scan(step, carry, rows)
-    outs = []
-    for i in range(call.cfg.num_hidden_layers):
-        row = {k: (bool(v[i]) if v.dtype == bool else int(v[i])) for k, v in sched.items()}
-        row["norms"] = jax.tree.map(lambda a: a[i], norms_state)
-        carry, out = step(carry, row)
-        outs.append(out)
-    return carry, (jax.tree.map(lambda *a: jnp.stack(a), *outs) if call.collect else {})
+def _run_layers(call: _Call, carry, states: dict, *, scan_layers: bool, remat: str):
+    """All layers over the carry. `states`: "norms" and each kind's stacked parameter state.
+
+    With `scan_layers`, the repeated layer groups (`layer_groups`) run as one `lax.scan` whose
+    inputs are each group's slices of the stacks, and the layers around them unrolled;
+    without, every layer is unrolled. Both give identical numbers."""
+    cfg = call.cfg
+    sched = _schedule(cfg)
+    groups = layer_groups(cfg) if scan_layers else LayerGroups(0, 1, 0)
+
+    def kinds(i):
+        mixer = "mla" if sched["is_mla"][i] else "kda"
+        ffn = "moe" if sched["is_moe"][i] else "dense"
+        return mixer, ffn
+
+    def step(i, at):
+        mixer, ffn = kinds(i)
+        return _remat(functools.partial(_layer_step, call, mixer == "mla", ffn == "moe", at), remat)
+
+    layer_tables = dict(index=jnp.asarray(sched["index"]), mixer_slot=jnp.asarray(sched["mixer_slot"]))
+
+    def unrolled(carry, layers):
+        outs = []
+        for i in layers:
+            mixer, ffn = kinds(i)
+            source = dict(layer_tables, norms=states["norms"], mixer=states[mixer], ffn=states[ffn])
+            at = (i, int(sched["mixer_slot"][i]), int(sched["ffn_slot"][i]))
+            carry, out = step(i, at)(carry, source)
+            outs.append(out)
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs and call.collect else None
+
+    carry, before = unrolled(carry, range(groups.start))
+    scanned = None
+    if groups.count:
+        first, period, count = groups.start, groups.period, groups.count
+        layer_ids = np.arange(first, groups.stop)
+        group_kinds = [kinds(i) for i in range(first, first + period)]
+        xs = dict(index=jnp.asarray(layer_ids.reshape(count, period)),
+                  mixer_slot=jnp.asarray(sched["mixer_slot"][layer_ids].reshape(count, period)),
+                  norms=jax.tree.map(lambda a: a[first:groups.stop].reshape(count, period, *a.shape[1:]),
+                                     states["norms"]))
+        # Weights reach the scanned layers in one of two ways. Without remat, as scan inputs:
+        # each group's slice of every stack, so their gradients are the scan's outputs (a layer
+        # that indexes a closed-over stack instead adds a full-stack gradient per step); the
+        # sliced copy costs nothing extra there, since the backward pass keeps every layer's
+        # weights anyway. Under remat, indexed from the closed-over stacks: the scan inputs
+        # would be a copy of the weights kept through the backward pass.
+        by_slices = remat == "none"
+        first_row = {}  # kind -> (its stack row of the first scanned layer of that kind, rows per group)
+        for kind in {k for pair in group_kinds for k in pair}:
+            mine = [i for i in layer_ids if kind in kinds(i)]
+            slots = sched["mixer_slot" if kind in ("kda", "mla") else "ffn_slot"]
+            lo, per = first_row[kind] = (int(slots[mine[0]]), len(mine) // count)
+            if by_slices:  # the scanned layers of this kind hold consecutive rows of its stack
+                xs[kind] = jax.tree.map(lambda a, lo=lo, per=per: a[lo:lo + per * count].reshape(
+                    count, per, *a.shape[1:]), states[kind])
+        xs["group"] = jnp.arange(count)
+
+        def body(carry, group):
+            ys = []
+            used = dict.fromkeys(first_row, 0)  # kind -> this group's next row of that kind
+            for p, (mixer, ffn) in enumerate(group_kinds):
+                rows = []
+                for kind in (mixer, ffn):
+                    lo, per = first_row[kind]
+                    rows.append(used[kind] if by_slices else lo + group["group"] * per + used[kind])
+                    used[kind] += 1
+                stacks = group if by_slices else states
+                source = dict(index=group["index"], mixer_slot=group["mixer_slot"], norms=group["norms"],
+                              mixer=stacks[mixer], ffn=stacks[ffn])
+                carry, out = step(first + p, (p, rows[0], rows[1]))(carry, source)
+                ys.append(out)
+            return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if call.collect else None
+
+        carry, scanned = jax.lax.scan(body, carry, xs)
+        if call.collect:  # [count, period, ...] -> [count * period, ...]
+            scanned = jax.tree.map(lambda a: a.reshape(count * period, *a.shape[2:]), scanned)
+    carry, after = unrolled(carry, range(groups.stop, cfg.num_hidden_layers))
+    if not call.collect:
+        return carry, {}
+    parts = [part for part in (before, scanned, after) if part is not None]
+    return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 class K31ForCausalLM(nnx.Module):
@@ -300,14 +388,16 @@ class K31ForCausalLM(nnx.Module):
             cache = cache.replace(key_valid=key_valid)
         else:
             pos, key_valid = 0, new_valid
-        call = _Call(cfg, backends or Backends(), *(_Split(m) if m is not None else None
-                                                    for m in (self.kda, self.mla, self.dense, self.moe)),
-                     valid=valid, segment_ids=segment_ids, key_valid=key_valid, pos=pos, collect=tuple(collect))
+        graphdefs, states = {}, {"norms": nnx.to_pure_dict(nnx.state(self.norms))}
+        for kind in ("kda", "mla", "dense", "moe"):
+            if getattr(self, kind) is not None:
+                graphdefs[kind], states[kind] = nnx.split(getattr(self, kind))
+        call = _Call(cfg, backends or Backends(), graphdefs, valid=valid, segment_ids=segment_ids,
+                     key_valid=key_valid, pos=pos, collect=tuple(collect))
         blocks0 = jnp.zeros((b, t, cfg.num_attn_res_slots, cfg.hidden_size), act)
         carry = (x0, blocks0, jnp.zeros((), jnp.int32), cache)
-        norms_state = nnx.to_pure_dict(nnx.state(self.norms))
-        (prefix, blocks, n_blocks, cache), per_layer = _run_layers(call, carry, norms_state,
-                                                                   scan_layers=scan_layers, remat=remat)
+        (prefix, blocks, n_blocks, cache), per_layer = _run_layers(call, carry, states, scan_layers=scan_layers,
+                                                                   remat=remat)
         out_norm = self.out_res_norm[...] if cfg.use_attn_res else None
         out_proj = self.out_res_proj[...] if cfg.use_attn_res else None
         h = _attn_res_input(cfg, out_norm, out_proj, blocks, n_blocks, prefix)

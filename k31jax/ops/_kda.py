@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import kda_chunk
@@ -186,8 +187,10 @@ def kda_chunked(
     """Chunked WY/UT form of `kda_recurrent` (kda.md §5), for prefill and training.
 
     Any T: the tail is padded with zeros for q, k, v, g and β, which is an exact identity
-    step (α = 1, k = 0, β = 0). Pairwise decays are materialised per chunk as
-    `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`, which never overflows whatever the gate (kda.md §6a).
+    step (α = 1, k = 0, β = 0). The decayed products are tiled in 16-row sub-chunks
+    (`decayed_products`, kda.md §6b): off-diagonal tiles factor around a row where both factors
+    are ≤ 1, diagonal tiles keep `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`; nothing overflows
+    whatever the gate.
 
     impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
     `k31jax.kernels.kda_chunk` (chunk sizes 16-128); None / "auto" the kernel on a GPU.
@@ -241,23 +244,67 @@ def kda_chunked(
     return o, state
 
 
+SUBCHUNK = 16
+
+
+def _subchunk(c: int) -> int:
+    """Tile size of the decayed products (kda.md §6b): 16 rows, or the whole chunk when it is
+    not a multiple of 16."""
+    return SUBCHUNK if c % SUBCHUNK == 0 else c
+
+
+def decayed_products(
+    queries: tuple[Float[Array, "B H C d"], ...], k: Float[Array, "B H C d"], gamma: Float[Array, "B H C d"],
+    sub: int,
+) -> tuple[Float[Array, "B H C C"], ...]:
+    """For each `a` in `queries`: `M_ij = Σ_d a_id k_jd e^{Γ_id − Γ_jd}` for j ≤ i, 0 above the
+    diagonal (Γ non-increasing along C), tiled as kda.md §6b prescribes.
+
+    Off-diagonal tiles factor around the first row n of the later tile,
+    `e^{Γ_i − Γ_n} · e^{Γ_n − Γ_j}` (both ≤ 1 for j < n ≤ i, so nothing overflows whatever the
+    gate) and become matmuls; the `sub x sub` diagonal tiles keep the explicit pairwise decay,
+    masked before `exp`, which is safe for any gate. Against materialising the whole
+    `[C, C, d]` decay this moves C/sub times fewer elements through `exp` and the backward
+    pass, which is what makes training fast.
+    """
+    b, h, c, d = k.shape
+    n = c // sub
+
+    def tiles(x):
+        return x.reshape(b, h, n, sub, d)
+
+    g = tiles(gamma)
+    ref = g[:, :, :, :1, :]  # [B, H, n, 1, d]: Γ at each tile's first row
+    earlier = jnp.arange(c)[None, :] < (jnp.arange(n) * sub)[:, None]  # [n, C]: j before tile I
+    k_to_ref = k[:, :, None] * jnp.exp(jnp.where(earlier[:, :, None], ref - gamma[:, :, None], -jnp.inf))
+    i = jnp.arange(sub)
+    incl = (i[:, None] >= i[None, :])[..., None]
+    diag_decay = jnp.exp(jnp.where(incl, g[..., :, None, :] - g[..., None, :, :], -jnp.inf))  # [B,H,n,s,s,d]
+    on_diag = jnp.eye(n, dtype=gamma.dtype)[:, None, :, None]  # tile I's own columns
+    out = []
+    for a in queries:
+        off = jnp.einsum("bhnid,bhnjd->bhnij", tiles(a) * jnp.exp(g - ref), k_to_ref, precision=_HI)
+        diag = jnp.einsum("bhnid,bhnjd,bhnijd->bhnij", tiles(a), tiles(k), diag_decay, precision=_HI)
+        full = off.reshape(b, h, n, sub, n, sub) + diag[:, :, :, :, None, :] * on_diag
+        out.append(full.reshape(b, h, c, c))
+    return tuple(out)
+
+
 def _kda_chunk_step(state, inp, *, chunk_size):
     q, k, v, g, beta = inp[:5]  # [B, H, C, d], beta [B, H, C]
     doc = inp[5] if len(inp) == 6 else None  # [B, C] document index within the chunk, or None
     c = chunk_size
     gamma = jnp.cumsum(g, axis=2)  # [B, H, C, dk], non-increasing
     i = jnp.arange(c)
-    incl = i[:, None] >= i[None, :]  # j <= i
     strict = i[:, None] > i[None, :]
+    sub = _subchunk(c)
+    kk, attn = decayed_products((k, q), k, gamma, sub)  # zero above the diagonal
     if doc is not None:  # pairs of different documents never interact
         same_doc = (doc[:, :, None] == doc[:, None, :])[:, None]  # [B, 1, i, j]
-        incl, strict = incl & same_doc, strict & same_doc
-    diff = gamma[:, :, :, None, :] - gamma[:, :, None, :, :]  # [B, H, i, j, dk]
-    decay = jnp.exp(jnp.where(incl[..., None], diff, -jnp.inf))
-    kk = jnp.einsum("bhid,bhjd,bhijd->bhij", k, k, decay, precision=_HI)
+        strict = strict & same_doc
+        attn = jnp.where(same_doc, attn, 0.0)
     lower = jnp.where(strict, beta[..., :, None] * kk, 0.0)
-    u = _unit_lower_solve(lower, beta[..., None] * v)
-    w = _unit_lower_solve(lower, beta[..., None] * k * jnp.exp(gamma))
+    u, w = _unit_lower_solve(lower, (beta[..., None] * v, beta[..., None] * k * jnp.exp(gamma)), sub)
     q_decayed = q * jnp.exp(gamma)
     last = gamma[:, :, -1:, :]  # Γ_C
     k_to_end = k * jnp.exp(last - gamma)
@@ -271,22 +318,42 @@ def _kda_chunk_step(state, inp, *, chunk_size):
         k_to_end = jnp.where((doc == doc[:, -1:])[:, None, :, None], k_to_end, 0.0)
         state_kept = jnp.where((doc[:, -1] == 0)[:, None, None, None], state_kept, 0.0)
     pseudo_v = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HI)
-    attn = jnp.einsum("bhid,bhjd,bhijd->bhij", q, k, decay, precision=_HI)
     out = (jnp.einsum("bhck,bhkv->bhcv", q_decayed, state, precision=_HI)
            + jnp.einsum("bhij,bhjv->bhiv", attn, pseudo_v, precision=_HI))
     new_state = state_kept + jnp.einsum("bhck,bhcv->bhkv", k_to_end, pseudo_v, precision=_HI)
     return new_state, out
 
 
-def _unit_lower_solve(strict_lower, rhs):
-    """`(I + L)^{-1} rhs` for strictly lower-triangular L, by forward substitution over rows."""
-    n = strict_lower.shape[-1]
+def _unit_lower_solve(strict_lower, rhs: tuple, sub: int):
+    """`(I + L)^{-1} r` for strictly lower-triangular L `[..., C, C]` and each r in `rhs`, by
+    block forward substitution over `sub`-row tiles: the diagonal tiles are inverted by a
+    short row loop (all tiles at once), the rest is matmuls.
 
-    def row(i, x):
-        xi = rhs[..., i, :] - jnp.einsum("...j,...jd->...d", strict_lower[..., i, :], x, precision=_HI)
-        return x.at[..., i, :].set(xi)
+    Plain XLA on purpose: `lax.linalg.triangular_solve` is a LAPACK call on CPU, whose time
+    varied 3x from call to call when the machine's cores were shared; a row loop over the whole
+    chunk replays C steps in the backward pass; doubling products `(I - L)(I + L^2)...` lose
+    fp32 precision when L has large entries. This form was as fast as the best LAPACK run."""
+    widths = [r.shape[-1] for r in rhs]
+    stacked = jnp.concatenate(rhs, axis=-1)
+    c = strict_lower.shape[-1]
+    n = c // sub
+    tiles = strict_lower.reshape(*strict_lower.shape[:-2], n, sub, n, sub)
+    diag = jnp.stack([tiles[..., i, :, i, :] for i in range(n)], axis=-3)  # [..., n, s, s]
+    eye = jnp.broadcast_to(jnp.eye(sub, dtype=stacked.dtype), diag.shape)
 
-    return jax.lax.fori_loop(0, n, row, jnp.zeros_like(rhs))
+    def row(i, inv):
+        inv_i = eye[..., i, :] - jnp.einsum("...j,...jd->...d", diag[..., i, :], inv, precision=_HI)
+        return inv.at[..., i, :].set(inv_i)
+
+    diag_inv = jax.lax.fori_loop(0, sub, row, jnp.zeros_like(eye))
+    solved = []
+    for i in range(n):
+        r = stacked[..., i * sub:(i + 1) * sub, :]
+        for j in range(i):
+            r = r - jnp.einsum("...ij,...jd->...id", tiles[..., i, :, j, :], solved[j], precision=_HI)
+        solved.append(jnp.einsum("...ij,...jd->...id", diag_inv[..., i, :, :], r, precision=_HI))
+    x = jnp.concatenate(solved, axis=-2)
+    return tuple(jnp.split(x, np.cumsum(widths)[:-1], axis=-1))
 
 
 def kda_mask_padding(

@@ -85,11 +85,15 @@ def grouped_matmul_blocked(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False, block: int = 32,
 ) -> Float[Array, "M out"]:
-    """The same product as `grouped_matmul`, as a loop over row blocks that each belong to
-    one expert (groups padded to a multiple of `block`); unused tail blocks are skipped.
+    """The same product as `grouped_matmul`, over row blocks that each belong to one expert
+    (groups padded to a multiple of `block`): one batched matmul of the blocks against their
+    experts' weights.
 
     XLA:CPU lowers `ragged_dot` to roughly one dense matmul per group over all rows (E times
-    the work); this form does ~one matmul's worth, so it is the CPU default.
+    the work), and a loop over the blocks pays a loop step per block in both passes (its
+    autodiff also adds a full `[E, out, in]` gradient per block); gathering each block's
+    expert weight costs one weight-sized copy and turns forward and backward into batched
+    matmuls and one scatter-add, so this is the CPU default.
     """
     m = x_sorted.shape[0]
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
@@ -102,18 +106,10 @@ def grouped_matmul_blocked(
     dest = pad_start[row_expert] + jnp.arange(m) - start[row_expert]
     n_blocks = -(-(m + e * (block - 1)) // block)
     x_pad = jnp.zeros((n_blocks * block, x_sorted.shape[1]), x_sorted.dtype).at[dest].set(x_sorted)
-    block_start = jnp.arange(n_blocks) * block
-    block_expert = jnp.minimum(jnp.searchsorted(pad_end, block_start, side="right"), e - 1)
-    used = block_start < pad_end[-1]
-
-    def one_block(args):
-        xb, eb, live = args
-        return jax.lax.cond(
-            live,
-            lambda: jnp.dot(xb, w[eb].T, preferred_element_type=jnp.float32).astype(xb.dtype),
-            lambda: jnp.zeros((block, w.shape[1]), xb.dtype))
-
-    y = jax.lax.map(one_block, (x_pad.reshape(n_blocks, block, -1), block_expert, used))
+    # tail blocks past the last group hold zero rows; they take the last expert's weight
+    block_expert = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(n_blocks) * block, side="right"), e - 1)
+    y = jnp.einsum("nbi,noi->nbo", x_pad.reshape(n_blocks, block, -1), w[block_expert],
+                   preferred_element_type=jnp.float32).astype(x_sorted.dtype)
     return y.reshape(n_blocks * block, -1)[dest]
 
 

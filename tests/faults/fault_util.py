@@ -41,6 +41,25 @@ def run(capsys, *argv) -> tuple[int, list[str]]:
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+def run_with_output(capsys, *argv) -> tuple[int, str, list[str]]:
+    """`k31jax ARGV` in-process: (exit code, stdout, the non-empty stderr lines)."""
+    capsys.readouterr()
+    code = cli_main([*map(str, argv), "--no-progress"])
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.strip()]
+
+
+def run_bare(capsys, *argv) -> tuple[int, list[str]]:
+    """`k31jax ARGV` for commands without --no-progress: (exit code, stderr lines); an
+    argparse exit (SystemExit) counts as its code."""
+    capsys.readouterr()
+    try:
+        code = cli_main([*map(str, argv)])
+    except SystemExit as e:
+        code = e.code
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 def one_error(lines: list[str], command: str, *fragments: str) -> str:
     """stderr is exactly one `k31jax <command>: error: ...` line holding every fragment."""
     assert len(lines) == 1, lines

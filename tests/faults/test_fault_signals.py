@@ -1,7 +1,7 @@
 """Signals mid-run, in real subprocesses on a release big enough to take a few seconds:
 SIGINT / SIGTERM stop at the next safe point with exit 130 / 143, one `error:` line and no
 temporary folder; after SIGKILL the next run into the same parent removes the killed run's
-temporary folder (one line) and produces a verified checkpoint."""
+temporary folder (one line) and produces a checkpoint that `k31jax verify --source` accepts."""
 
 import os
 import signal
@@ -73,6 +73,7 @@ def test_sigkill_mid_conversion_then_rerun(big, tmp_path, capsys):
     assert err == [f"k31jax convert: removed 1 stale temporary folder left by a killed run: {box} (pid {proc.pid})"]
     info = checkpoint_info(dst)
     assert info["source"]["root"] == str(src) and len(info["stored"]["layers"]) == 4
+    assert run(capsys, "verify", dst, "--source", src) == (0, [])  # every byte, and the round trip
     assert_clean(tmp_path, {"ck"})
     assert tree_digest(src) == src_digest
 

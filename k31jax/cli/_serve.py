@@ -1,0 +1,92 @@
+"""`k31jax serve`: the OpenAI- / Anthropic-compatible server (`k31jax.serve`) on uvicorn.
+
+Loads the model (a checkpoint, or the embedded default model), builds the continuous-batching
+scheduler, compiles every program once (warm-up) and then listens, on 127.0.0.1 unless
+``--host`` says otherwise. One line `k31jax serve: listening on http://HOST:PORT` goes to
+stderr when it is ready. SIGINT / SIGTERM stop it cleanly.
+
+With ``--mesh`` (one host) the model and every jitted program run sharded on that mesh. Across
+several hosts (``--coordinator/--num-processes/--process-id``), every process runs this same
+command; see the README ("Serving") for what is and is not supported there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..config import preset_names
+from ..generate import DEFAULT_MODEL, Engine, Scheduler, load_model
+from ._common import UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context, install
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (continuous batching)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint folder: Orbax (from `k31jax convert`) or safetensors")
+    src.add_argument("--config", default=None,
+                     help=f"preset with seeded random weights instead of the embedded default model ({DEFAULT_MODEL})")
+    p.add_argument("--tokenizer", default=None, help="folder with tiktoken.model (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None, help="parameter/activation dtype")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (no --ckpt)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer / x-api-key)")
+    p.add_argument("--model-name", default=None, help="model id clients send (default: k31jax-<config> "
+                   "or the checkpoint folder name)")
+    p.add_argument("--max-batch", type=int, default=8, help="decode slots (concurrent requests)")
+    p.add_argument("--max-len", type=int, default=4096, help="context length: prompt + output tokens")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prefill call width")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, help="session snapshot memory (0 = off)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
+    add_distributed_arguments(p)
+    install(p, "serve", _run, validate=_check)
+
+
+def _check(args) -> None:
+    check_int("--port", args.port, low=0, high=65535)
+    check_int("--max-batch", args.max_batch, low=1)
+    check_int("--max-len", args.max_len, low=2)
+    check_int("--max-queue", args.max_queue, low=1)
+    check_int("--prefill-chunk", args.prefill_chunk, low=1)
+    check_int("--prefix-cache-mb", args.prefix_cache_mb, low=0)
+    if not args.max_body_mb > 0:
+        raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a number > 0")
+    if args.ckpt is not None and not Path(args.ckpt).is_dir():
+        raise UsageError(f"--ckpt {args.ckpt}: no such checkpoint folder")
+    if args.config is not None and args.config not in preset_names():
+        raise UsageError(f"--config {args.config!r}: not a preset (presets: {', '.join(preset_names())})")
+    check_mesh_args(args)
+
+
+def _run(args) -> int:
+    import uvicorn  # imported here: the other commands never need the server stack
+
+    from ..serve import ServeSettings, create_app
+
+    with cli_context(args) as ctx:
+        loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
+                            tokenizer=args.tokenizer)
+        if loaded.banner:
+            print(f"[k31jax] {loaded.banner}", file=sys.stderr)
+        engine = Engine(ctx.place(loaded.model), loaded.tokenizer, max_len=args.max_len,
+                        prefill_chunk=args.prefill_chunk)
+        scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
+                              prefill_chunk=args.prefill_chunk,
+                              prefix_cache_bytes=args.prefix_cache_mb << 20)
+        seconds = scheduler.warmup()
+        print(f"[k31jax] compiled the serving programs in {seconds:.1f} s", file=sys.stderr)
+        name = args.model_name or (f"k31jax-{Path(args.ckpt).name}" if args.ckpt else f"k31jax-{args.config or DEFAULT_MODEL}")
+        app = create_app(scheduler, ServeSettings(model_name=name, api_key=args.api_key,
+                                                  max_body_bytes=int(args.max_body_mb * (1 << 20))))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        scheduler.start()
+        print(f"k31jax serve: listening on http://{args.host}:{args.port} (model '{name}')",
+              file=sys.stderr, flush=True)
+        try:
+            server.run()
+        finally:
+            scheduler.stop()
+    return 0

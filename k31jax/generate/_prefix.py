@@ -1,0 +1,87 @@
+"""Session prefix reuse: an LRU of cache snapshots keyed by the token sequence they hold.
+
+K3.1 is hybrid, so a prefix cannot be cut out of a longer cached sequence: the KDA recurrent
+and convolution states exist only at the points where a snapshot was taken. The scheduler
+stores one at each prompt end (the whole history of a turn) and one at each turn end (history
+plus the generated reply). The next turn of a conversation extends one of them, and resumes
+from the **longest** stored sequence that is a proper prefix of its prompt. Memory is bounded
+in bytes; the least recently used snapshots go first.
+
+Lookup hashes the prompt's prefixes of each stored length only (few distinct lengths), then
+confirms the match token by token, so a hash collision can never resume the wrong state.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+
+from ._slots import Snapshot
+
+
+class PrefixCache:
+    """``put(snapshot)`` / ``longest_prefix(prompt)``; ``max_bytes=0`` disables it."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} (must be >= 0)")
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[tuple[int, int], Snapshot] = collections.OrderedDict()
+        self._lengths: collections.Counter[int] = collections.Counter()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _key(tokens: Sequence[int]) -> tuple[int, int]:
+        return len(tokens), hash(tuple(tokens))
+
+    def put(self, snap: Snapshot) -> bool:
+        """Store ``snap`` (replacing one of the same tokens); False if it alone exceeds the bound."""
+        size = snap.nbytes
+        if size > self.max_bytes or not snap.tokens:
+            return False
+        key = self._key(snap.tokens)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._drop(key, old)
+            self._entries[key] = snap
+            self._lengths[len(snap.tokens)] += 1
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                k, s = self._entries.popitem(last=False)
+                self._drop(k, s)
+        return True
+
+    def _drop(self, key, snap: Snapshot) -> None:
+        self.bytes -= snap.nbytes
+        self._lengths[key[0]] -= 1
+        if not self._lengths[key[0]]:
+            del self._lengths[key[0]]
+
+    def longest_prefix(self, prompt: Sequence[int]) -> Snapshot | None:
+        """The stored snapshot of the longest proper prefix of ``prompt`` (at least one prompt
+        token must remain to be prefilled), marked most recently used; counts a hit or miss."""
+        prompt = tuple(prompt)
+        with self._lock:
+            for n in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
+                snap = self._entries.get(self._key(prompt[:n]))
+                if snap is not None and snap.tokens == prompt[:n]:
+                    self._entries.move_to_end(self._key(prompt[:n]))
+                    self.hits += 1
+                    self.hit_tokens += n
+                    return snap
+            self.misses += 1
+            return None
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0

@@ -1,0 +1,331 @@
+"""The ASGI app (FastAPI): OpenAI and Anthropic routes over one ``Scheduler``, API key, body
+limit, errors in each API's schema, health and Prometheus-style metrics.
+
+The scheduler runs on its own thread; each request gets an ``asyncio.Queue`` fed from that
+thread (``loop.call_soon_threadsafe``). A request is submitted before its response starts, so
+a full queue is a real 429 even for streams; a client that disconnects mid-stream cancels its
+handle and the scheduler frees the row at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..chat import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from ..generate import Failed, Finished, QueueFullError, Scheduler, TokenEvent
+from . import _anthropic as anth
+from . import _openai as oai
+from ._metrics import render_metrics
+from ._protocol import APIError, GenSpec, get, invalid
+
+OPENAI_ERRORS = {"invalid_request": ("invalid_request_error", None),
+                 "authentication": ("invalid_request_error", "invalid_api_key"),
+                 "not_found": ("invalid_request_error", "model_not_found"),
+                 "request_too_large": ("invalid_request_error", "request_too_large"),
+                 "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
+                 "server_error": ("server_error", None), "overloaded": ("server_error", "overloaded")}
+ANTHROPIC_ERRORS = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
+                    "not_found": "not_found_error", "request_too_large": "request_too_large",
+                    "rate_limit": "rate_limit_error", "server_error": "api_error",
+                    "overloaded": "overloaded_error"}
+
+
+@dataclasses.dataclass
+class ServeSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(path: str, err: APIError) -> dict[str, Any]:
+    if _is_anthropic(path):
+        return {"type": "error", "error": {"type": ANTHROPIC_ERRORS[err.kind], "message": err.message}}
+    kind, code = OPENAI_ERRORS[err.kind]
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
+
+
+def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
+    app = FastAPI(title="k31jax serve", docs_url=None, redoc_url=None, openapi_url=None)
+    tok = scheduler.tokenizer
+    max_len = scheduler.max_len
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return JSONResponse(error_body(request.url.path, err), status_code=err.status, headers=err.headers)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        """Auth, size limit, JSON object, known model."""
+        check_key(request)
+        limit = settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError("request_too_large", f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise APIError("request_too_large", f"request body exceeds the limit of {limit} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise invalid(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        model = get(body, "model", str, required=True)
+        if model != settings.model_name:
+            raise APIError("not_found", f"model '{model}' does not exist; this server serves "
+                                        f"'{settings.model_name}'", param="model")
+        return body
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if given != settings.api_key:
+            raise APIError("authentication", "invalid or missing API key (send 'Authorization: Bearer KEY' "
+                                             "or 'x-api-key: KEY')")
+
+    def submit(spec: GenSpec) -> tuple[Any, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        try:
+            handle = scheduler.submit(spec.request, tool_choice=spec.tool_choice, logprobs=spec.logprobs,
+                                      sink=lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
+        except QueueFullError as e:
+            raise APIError("rate_limit", f"the server is busy ({e}); retry later",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from None
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return handle, out
+
+    async def events(handle, out: asyncio.Queue) -> AsyncIterator[Any]:
+        done = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, Failed):
+                    done = True
+                    raise APIError("server_error", f"generation failed: {item.error!r}")
+                yield item
+                if isinstance(item, Finished):
+                    done = True
+                    return
+        finally:
+            if not done:
+                handle.cancel()
+
+    async def collect(handle, out) -> tuple[Finished, list[TokenEvent]]:
+        tokens = []
+        async for item in events(handle, out):
+            if isinstance(item, Finished):
+                return item, tokens
+            tokens.append(item)
+        raise AssertionError("the stream ended without a result")
+
+    # ---- service routes --------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_name, "queue_depth": scheduler.queue_depth,
+                "running": scheduler.running}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(scheduler), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "k31jax"}]}
+
+    # ---- OpenAI ----------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        spec = oai.chat_spec(body, tok, max_len)
+        handle, out = submit(spec)
+        rid, created, model = oai.new_id("chatcmpl"), oai.now(), settings.model_name
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return _sse(_chat_stream(spec, handle, out, rid, created, model, include_usage))
+        fin, toks = await collect(handle, out)
+        c = fin.completion
+        lps = ([oai.logprob_entry(tok, t.delta.token_ids[0], t.logprob, spec.top_logprobs) for t in toks]
+               if spec.logprobs else None)
+        return oai.chat_response(rid, model, created, oai.chat_message(c.parsed, spec.drop_tool_calls),
+                                 oai.finish_reason(c.finish_reason, None if spec.drop_tool_calls else c.parsed),
+                                 oai.usage(c.prompt_tokens, len(c.tokens), fin.cached_tokens), lps)
+
+    async def _chat_stream(spec, handle, out, rid, created, model, include_usage):
+        yield oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
+        try:
+            async for item in events(handle, out):
+                if isinstance(item, Finished):
+                    c = item.completion
+                    parsed = None if spec.drop_tool_calls else c.parsed
+                    yield oai.chat_chunk(rid, model, created, {}, oai.finish_reason(c.finish_reason, parsed))
+                    if include_usage:
+                        yield oai.chat_chunk(rid, model, created, None,
+                                             usage_=oai.usage(c.prompt_tokens, len(c.tokens), item.cached_tokens))
+                    break
+                delta = _chat_delta(item.delta.events, spec.drop_tool_calls)
+                lps = ([oai.logprob_entry(tok, item.delta.token_ids[0], item.logprob, spec.top_logprobs)]
+                       if spec.logprobs and item.logprob is not None else None)
+                if delta or lps:
+                    yield oai.chat_chunk(rid, model, created, delta, logprobs=lps)
+        except APIError as e:
+            yield f"data: {json.dumps(error_body('/v1/chat/completions', e))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        spec = oai.completion_spec(body, tok, max_len)
+        handle, out = submit(spec)
+        rid, created, model = oai.new_id("cmpl"), oai.now(), settings.model_name
+        if body.get("stream"):
+            async def gen():
+                try:
+                    async for item in events(handle, out):
+                        if isinstance(item, Finished):
+                            c = item.completion
+                            yield oai.completion_chunk(rid, model, created, "", oai.finish_reason(c.finish_reason, None),
+                                                       oai.usage(c.prompt_tokens, len(c.tokens), item.cached_tokens))
+                            break
+                        if item.delta.text:
+                            yield oai.completion_chunk(rid, model, created, item.delta.text, None)
+                except APIError as e:
+                    yield f"data: {json.dumps(error_body('/v1/completions', e))}\n\n"
+                yield "data: [DONE]\n\n"
+            return _sse(gen())
+        fin, toks = await collect(handle, out)
+        c = fin.completion
+        lps = None
+        if spec.logprobs:
+            lps = {"tokens": [tok.decode([t]) for t in c.tokens],
+                   "token_logprobs": [t.logprob.logprob for t in toks],
+                   "top_logprobs": [{tok.decode([i]): v for i, v in t.logprob.top[:spec.top_logprobs]} for t in toks],
+                   "text_offset": []}
+        return oai.completion_response(rid, model, created, c.text, oai.finish_reason(c.finish_reason, None),
+                                       oai.usage(c.prompt_tokens, len(c.tokens), fin.cached_tokens), lps)
+
+    # ---- Anthropic -------------------------------------------------------------------------
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await body_of(request)
+        spec = anth.messages_spec(body, tok, max_len)
+        handle, out = submit(spec)
+        mid, model = anth.new_id(), settings.model_name
+        if body.get("stream"):
+            return _sse(_messages_stream(spec, handle, out, mid, model))
+        fin, _ = await collect(handle, out)
+        c = fin.completion
+        reason, seq = anth.stop_reason(c.finish_reason, c.stop, c.parsed, spec.drop_tool_calls)
+        return anth.message(mid, model, anth.content_blocks(c.parsed, spec.drop_tool_calls), reason, seq,
+                            c.prompt_tokens, len(c.tokens), fin.cached_tokens)
+
+    async def _messages_stream(spec, handle, out, mid, model):
+        n_prompt = len(spec.request.prompt)
+        yield anth.event("message_start", {"message": anth.message(mid, model, [], None, None, n_prompt, 0, 0)})
+        blocks = _BlockWriter()
+        try:
+            async for item in events(handle, out):
+                if isinstance(item, Finished):
+                    c = item.completion
+                    for s in blocks.close():
+                        yield s
+                    reason, seq = anth.stop_reason(c.finish_reason, c.stop, c.parsed, spec.drop_tool_calls)
+                    yield anth.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                       "usage": {"output_tokens": len(c.tokens)}})
+                    yield anth.event("message_stop", {})
+                    return
+                for ev in item.delta.events:
+                    for s in blocks.feed(ev, spec.drop_tool_calls):
+                        yield s
+        except APIError as e:
+            yield f"event: error\ndata: {json.dumps(error_body('/v1/messages', e))}\n\n"
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await body_of(request)
+        return {"input_tokens": anth.count_tokens(body, tok)}
+
+    return app
+
+
+def _sse(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _chat_delta(evs, drop_calls: bool) -> dict[str, Any]:
+    """One OpenAI stream delta from one step's parser events (same-kind texts joined)."""
+    delta: dict[str, Any] = {}
+    for ev in evs:
+        if isinstance(ev, ReasoningDelta):
+            delta["reasoning_content"] = delta.get("reasoning_content", "") + ev.text
+        elif isinstance(ev, ContentDelta):
+            delta["content"] = delta.get("content", "") + ev.text
+        elif isinstance(ev, ToolCallStart) and not drop_calls:
+            delta.setdefault("tool_calls", []).append(
+                {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
+        elif isinstance(ev, ToolCallArgsDelta) and not drop_calls:
+            delta.setdefault("tool_calls", []).append({"index": ev.index, "function": {"arguments": ev.arguments}})
+    return delta
+
+
+class _BlockWriter:
+    """Anthropic content-block events: thinking → text → tool_use, one block open at a time."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        return out + [anth.event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(anth.event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": "signature_delta", "signature": ""}}))
+        out.append(anth.event("content_block_stop", {"index": self.index}))
+        self.open = None
+        return out
+
+    def feed(self, ev, drop_calls: bool) -> list[str]:
+        out: list[str] = []
+        if isinstance(ev, ReasoningDelta):
+            if self.open != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(anth.event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": "thinking_delta", "thinking": ev.text}}))
+        elif isinstance(ev, ContentDelta) and ev.text:
+            if self.open != "text":
+                out += self._start("text", {"type": "text", "text": ""})
+            out.append(anth.event("content_block_delta", {"index": self.index,
+                                                          "delta": {"type": "text_delta", "text": ev.text}}))
+        elif isinstance(ev, ToolCallStart) and not drop_calls:
+            out += self._start("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+        elif isinstance(ev, ToolCallArgsDelta) and not drop_calls and self.open == "tool_use":
+            out.append(anth.event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": ev.arguments}}))
+        return out

@@ -1,0 +1,179 @@
+"""What both APIs share: request validation, API errors, and the prompt → ``Request`` step.
+
+Validation is written out here (not pydantic models) so that every error names the field and
+what was expected in the API's own words, and unknown fields are ignored, as both APIs do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..chat import ChatTemplateError, apply_chat_template
+from ..chat._render import resolve_reasoning_effort
+from ..generate import Request, SamplingParams, ToolChoice
+
+
+class APIError(Exception):
+    """An error answered in the API's schema. ``kind``: invalid_request | authentication |
+    not_found | request_too_large | rate_limit | server_error | overloaded."""
+
+    STATUS = {"invalid_request": 400, "authentication": 401, "not_found": 404,
+              "request_too_large": 413, "rate_limit": 429, "server_error": 500, "overloaded": 503}
+
+    def __init__(self, kind: str, message: str, *, param: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.param = kind, message, param
+        self.status = self.STATUS[kind]
+        self.headers = dict(headers or {})
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError("invalid_request", message, param=param)
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "an array", dict: "an object"}
+
+
+def get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None, *,
+        required: bool = False, where: str = "") -> Any:
+    """``body[name]`` checked against ``kind`` (int accepted for float; bool never for int/float);
+    ``None`` / absent gives ``default`` (or a 400 when ``required``)."""
+    path = f"{where}{name}"
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise invalid(f"missing required field '{path}'", path)
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(isinstance(value, k) for k in kinds)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    if not ok and float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        want = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise invalid(f"field '{path}' must be {want}, got {type(value).__name__} {json.dumps(value)[:60]}",
+                      path)
+    return value
+
+
+def in_range(name: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        bracket = "(" if lo_open else "["
+        raise invalid(f"field '{name}' = {value} is out of range: expected {bracket}{lo}, {hi}]", name)
+
+
+def stop_list(value: Any, name: str, max_items: int) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid(f"field '{name}' must be a string or an array of strings", name)
+    if len(items) > max_items:
+        raise invalid(f"field '{name}' has {len(items)} entries; at most {max_items} are supported", name)
+    if any(not s for s in items):
+        raise invalid(f"field '{name}' must not contain empty strings", name)
+    return tuple(items)
+
+
+@dataclasses.dataclass
+class GenSpec:
+    """One generation, API-independent."""
+
+    request: Request
+    tool_choice: ToolChoice | None
+    drop_tool_calls: bool  # tool_choice none: never return a call
+    logprobs: bool
+    top_logprobs: int
+
+
+def effort_settings(reasoning_effort: Any, param: str) -> tuple[bool, str | None]:
+    """(thinking, effort) from an API effort value (``none`` = thinking off)."""
+    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
+        raise invalid(f"field '{param}' must be a string", param)
+    try:
+        return resolve_reasoning_effort(reasoning_effort)
+    except ChatTemplateError:
+        raise invalid(f"field '{param}' = {reasoning_effort!r} is not supported: use low, high, max "
+                      "or none", param) from None
+
+
+def tool_choice_spec(choice: Any, tools: Sequence[Mapping[str, Any]] | None, param: str) -> tuple[Any, ToolChoice | None]:
+    """(the value for the chat template, the engine's forced choice) from an OpenAI-form choice."""
+    names = tuple(t.get("function", {}).get("name") for t in tools or ())
+    if choice is None or choice == "auto":
+        return None, None
+    if choice == "none":
+        return "none", ToolChoice("none", names) if tools else None
+    if choice == "required":
+        if not tools:
+            raise invalid(f"'{param}' is 'required' but no tools were given", param)
+        return "required", ToolChoice("required", names)
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise invalid(f"'{param}' must name a function: {{\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}", param)
+        if name not in names:
+            raise invalid(f"'{param}' names function {name!r}, which is not among the tools {list(names)}",
+                          param)
+        return choice, ToolChoice("named", names, name)
+    raise invalid(f"'{param}' must be 'auto', 'none', 'required' or a named function", param)
+
+
+def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | None,
+                  tool_choice: Any) -> list[int]:
+    try:
+        return apply_chat_template(tokenizer, messages, tools or None, thinking=thinking,
+                                   thinking_effort=effort if thinking else None, tool_choice=tool_choice)
+    except ChatTemplateError as e:
+        raise invalid(str(e), "messages") from None
+    except (TypeError, AttributeError, KeyError) as e:
+        raise invalid(f"messages could not be rendered: {e}", "messages") from None
+
+
+def sampling(temperature, top_p, top_k, seed, param_prefix: str = "") -> SamplingParams:
+    temperature = 1.0 if temperature is None else float(temperature)
+    top_p = 1.0 if top_p is None else float(top_p)
+    if top_p == 0.0:  # the most likely token only
+        temperature, top_p = 0.0, 1.0
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or 0,
+                              seed=0 if seed is None else int(seed))
+    except ValueError as e:
+        raise invalid(f"{param_prefix}{e}") from None
+
+
+def check_context(n_prompt: int, max_tokens: int | None, max_len: int, param: str) -> int:
+    """The max_tokens to use; a 400 naming the limit when the prompt (plus max_tokens) does not
+    fit the context."""
+    if n_prompt >= max_len:
+        raise invalid(f"the prompt has {n_prompt} tokens; this server's context length is {max_len} "
+                      f"tokens (prompt + {param} must fit)", "messages")
+    if max_tokens is None:
+        return max_len - n_prompt
+    if n_prompt + max_tokens > max_len:
+        raise invalid(f"the prompt has {n_prompt} tokens and {param} is {max_tokens}: together they "
+                      f"exceed this server's context length of {max_len} tokens", param)
+    return max_tokens
+
+
+def function_tools(tools: Any, param: str) -> list[dict[str, Any]] | None:
+    """OpenAI ``tools`` validated (``type: function`` with a named function)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid(f"field '{param}' must be an array", param)
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise invalid(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                          f"{param}[{i}]")
+    return tools
