@@ -6,8 +6,7 @@
 - Config: hidden 512, 12 layers (MLA at 1-indexed 4, 8, 12; KDA elsewhere), 64 experts top-4
   + 1 shared, vocab 32768, float32, random weights. Both sides build it from one HF config dict.
 - k31jax: `Engine(model, max_len=context + new_tokens, prefill_chunk=--chunk)`, greedy, no stop
-  ids. A warm-up `generate` compiles every program first; timings are the median of --repeats
-  and exclude compilation. TTFT = prompt to first token on the host; decode tok/s = batch *
+  ids. A warm-up `generate` compiles every program first; timings exclude compilation. TTFT = prompt to first token on the host; decode tok/s = batch *
   (N - 1) / (time from the first token to the last).
 - transformers: `benchmarks/_torch_runner.py --generate --generate-only --generate-streamer` in
   the torch venv ($K31JAX_TORCH_PYTHON or ./.torchvenv/bin/python, made by scripts/make_torch_venv.sh), eager attention,
@@ -19,6 +18,9 @@
   expected under uniform routing; KDA states and the MLA latent cache up to the context),
   "k31jax XLA" = the compiled decode step's `cost_analysis()["bytes accessed"]`. The
   bandwidth floor tok/s = batch / (step floor bytes / measured copy bandwidth).
+- Method (`benchmarks/_harness.py`): the two sides alternate, one warm-up each, then --repeats
+  rounds; median [min, max]; load average before and after; `--record` writes RESULTS.md only
+  when the load stayed under the core count (`--force` records it marked as under load).
 """
 
 from __future__ import annotations
@@ -26,18 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import Session, alternate, ratio, record  # noqa: E402
 
 CONFIG = {
     "model_type": "kimi_linear", "vocab_size": 32768, "hidden_size": 512, "num_hidden_layers": 12,
@@ -54,18 +56,6 @@ CONFIG = {
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "num_nextn_predict_layers": 0,
 }
-
-
-def copy_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
-    """Memory bandwidth from a large array copy (read + write bytes / time), best of repeats."""
-    a = np.ones(mb * (1 << 20) // 4, np.float32)
-    b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
 
 
 def floor_bytes_per_step(cfg, batch: int, context: int) -> int:
@@ -88,7 +78,8 @@ def floor_bytes_per_step(cfg, batch: int, context: int) -> int:
     return int(4 * (weights + kda_state + mla_cache))
 
 
-def bench_k31jax(batch, context, new_tokens, repeats, chunk):
+def k31jax_side(batch, context, new_tokens, chunk):
+    """(one-repeat callable, facts): the engine is built and every program compiled first."""
     import jax
     from flax import nnx
 
@@ -103,26 +94,26 @@ def bench_k31jax(batch, context, new_tokens, repeats, chunk):
     # prefill program as the chunks of the full context (and the same cache / decode shapes).
     warm = [p[: min(context, chunk)] for p in prompts]
     engine.generate(warm, 2, stop_ids=frozenset())
-    compile_s = engine.compile_seconds
-    runs = [engine.generate(prompts, new_tokens, stop_ids=frozenset()) for _ in range(repeats)]
-    decode = next(v for k, v in engine._local.items() if k[0] == "decode")
+    decode = next(v for k, v in engine._programs.items() if k[0] == "decode")
     cost = decode.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return dict(
-        ttft_s=statistics.median(r.prefill_seconds for r in runs),
-        decode_tok_s=statistics.median(r.decode_tok_s for r in runs),
-        compile_s=compile_s,
-        xla_bytes_per_step=float(cost.get("bytes accessed", float("nan"))),
-        n_params=k31jax.count_params(cfg).total,
-        cfg=cfg,
-        jax=jax.__version__,
-    )
+
+    def run():
+        r = engine.generate(prompts, new_tokens, stop_ids=frozenset())
+        return {"ttft_s": r.prefill_seconds, "decode_tok_s": r.decode_tok_s}
+
+    return run, dict(compile_s=engine.compile_seconds, xla_bytes_per_step=float(cost.get("bytes accessed", float("nan"))),
+                     n_params=k31jax.count_params(cfg).total, cfg=cfg, jax=jax.__version__)
+
+
+def torch_python() -> str | None:
+    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
+    return py if Path(py).exists() else None
 
 
 def bench_torch(batch, context, new_tokens, repeats, threads, experts_impl, timeout):
-    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
-    if not Path(py).exists():
-        return None, f"no torch venv at {py}"
+    """One transformers `generate()` run in the torch venv (its own process): (metrics, error)."""
+    py = torch_python()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(CONFIG, f)
     cmd = [py, str(ROOT / "benchmarks" / "_torch_runner.py"), "--config-json", f.name,
@@ -145,59 +136,66 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=17)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--torch-repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="recorded rounds, each side once per round (>= 3)")
     ap.add_argument("--chunk", type=int, default=512, help="k31jax prefill_chunk")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-experts", default="grouped_mm",
                     help="transformers experts implementation (eager | grouped_mm | batched_mm)")
     ap.add_argument("--torch-timeout", type=float, default=1200, help="seconds per transformers run")
+    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
     args = ap.parse_args()
-    threads = os.cpu_count() or 1
-    load_before = os.getloadavg()
-    t_run = time.perf_counter()
-    bw = copy_bandwidth_gbs()
+    session = Session()
+    if not args.no_torch and torch_python() is None:
+        raise SystemExit("no torch venv: run scripts/make_torch_venv.sh, set K31JAX_TORCH_PYTHON, or pass --no-torch")
     rows = []
     for b in args.batches:
-        ours = bench_k31jax(b, args.context, args.new_tokens, args.repeats, args.chunk)
-        theirs, err = (None, "--no-torch") if args.no_torch else bench_torch(
-            b, args.context, args.new_tokens, args.torch_repeats, threads, args.torch_experts,
-            args.torch_timeout)
-        rows.append((b, ours, theirs, err))
-    cfg = rows[0][1]["cfg"]
-    print(f"# generate benchmark  {time.strftime('%Y-%m-%d')}  {platform.processor() or platform.machine()}, "
-          f"{threads} CPU threads, jax {rows[0][1]['jax']}, float32, copy bandwidth {bw:.1f} GB/s, "
-          f"load average {load_before[0]:.1f} before / {os.getloadavg()[0]:.1f} after, "
-          f"run {time.perf_counter() - t_run:.0f} s")
-    print(f"# config: Kimi Linear shape, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
-          f"(MLA {[i + 1 for i in cfg.mla_layers]}), {cfg.num_experts} experts top-{cfg.num_experts_per_token}, "
-          f"vocab {cfg.vocab_size}, {rows[0][1]['n_params'] / 1e6:.0f}M params; context {args.context}, "
-          f"{args.new_tokens} new tokens, greedy; k31jax prefill_chunk {args.chunk}")
-    hdr = (f"{'batch':>5} {'':18}{'k31jax':>11}{'transformers':>14}{'ratio':>8}")
-    print(hdr)
-    for b, ours, theirs, err in rows:
-        t_dec = theirs["generate_decode_tok_s"] if theirs else float("nan")
-        t_ttft = theirs["generate_ttft_s"] if theirs else float("nan")
-        print(f"{b:>5} {'decode tok/s':18}{ours['decode_tok_s']:11.1f}{t_dec:14.1f}{ours['decode_tok_s'] / t_dec:7.2f}x")
-        print(f"{b:>5} {'TTFT s':18}{ours['ttft_s']:11.2f}{t_ttft:14.2f}{t_ttft / ours['ttft_s']:7.2f}x")
-    print(f"\n{'batch':>5} {'floor MB/tok':>13} {'k31jax XLA MB/tok':>18} {'floor tok/s':>12} "
-          f"{'k31jax % floor':>15} {'transformers % floor':>21}")
-    for b, ours, theirs, err in rows:
+        ours, facts = k31jax_side(b, args.context, args.new_tokens, args.chunk)
+        sides = {"k31jax": ours}
+        if not args.no_torch:
+            def theirs(b=b):
+                out, err = bench_torch(b, args.context, args.new_tokens, 1, session.cores, args.torch_experts,
+                                       args.torch_timeout)
+                if out is None:
+                    raise RuntimeError(f"transformers batch {b}: {err}")
+                facts["torch"] = out
+                return {"ttft_s": out["generate_ttft_s"], "decode_tok_s": out["generate_decode_tok_s"]}
+            sides["transformers"] = theirs
+        rows.append((b, alternate(sides, args.repeats), facts))
+    session.finish()
+    cfg = rows[0][2]["cfg"]
+    lines = [f"config: Kimi Linear shape, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
+             f"(MLA {[i + 1 for i in cfg.mla_layers]}), {cfg.num_experts} experts top-{cfg.num_experts_per_token}, "
+             f"vocab {cfg.vocab_size}, {rows[0][2]['n_params'] / 1e6:.0f}M params, float32; context {args.context}, "
+             f"{args.new_tokens} new tokens, greedy; k31jax prefill_chunk {args.chunk}; "
+             f"median [min, max] of {args.repeats} alternating rounds",
+             f"{'batch':>5} {'':14}{'k31jax':>26}{'transformers':>26}{'ratio':>8}"]
+    for b, stats, _ in rows:
+        ours, theirs = stats["k31jax"], stats.get("transformers")
+        for key, label, better_high in (("decode_tok_s", "decode tok/s", True), ("ttft_s", "TTFT s", False)):
+            t = theirs[key] if theirs else None
+            r = (ratio(ours[key], t) if better_high else ratio(t, ours[key])) if t else float("nan")
+            lines.append(f"{b:>5} {label:14}{str(ours[key]):>26}{str(t) if t else '-':>26}{r:7.2f}x")
+    lines.append(f"{'batch':>5} {'floor MB/tok':>13} {'k31jax XLA MB/tok':>18} {'floor tok/s':>12} "
+                 f"{'k31jax % floor':>15} {'transformers % floor':>21}")
+    for b, stats, facts in rows:
         floor = floor_bytes_per_step(cfg, b, args.context)
-        floor_tok_s = b / (floor / (bw * 1e9))
-        t_dec = theirs["generate_decode_tok_s"] if theirs else float("nan")
-        print(f"{b:>5} {floor / b / 1e6:13.1f} {ours['xla_bytes_per_step'] / b / 1e6:18.1f} "
-              f"{floor_tok_s:12.1f} {100 * ours['decode_tok_s'] / floor_tok_s:14.1f}% "
-              f"{100 * t_dec / floor_tok_s:20.1f}%")
-    print(f"# k31jax compile (excluded above): " + ", ".join(f"batch {b}: {o['compile_s']:.0f} s" for b, o, _, _ in rows))
-    for b, _, theirs, err in rows:
-        if theirs is None:
-            print(f"# transformers batch {b} not run: {err}")
-    t = next((r[2] for r in rows if r[2]), None)
+        floor_tok_s = b / (floor / (session.bandwidth_gbs * 1e9))
+        t = stats.get("transformers")
+        t_dec = t["decode_tok_s"].median if t else float("nan")
+        lines.append(f"{b:>5} {floor / b / 1e6:13.1f} {facts['xla_bytes_per_step'] / b / 1e6:18.1f} "
+                     f"{floor_tok_s:12.1f} {100 * stats['k31jax']['decode_tok_s'].median / floor_tok_s:14.1f}% "
+                     f"{100 * t_dec / floor_tok_s:20.1f}%")
+    lines.append("k31jax compile (excluded above): " + ", ".join(f"batch {b}: {f['compile_s']:.0f} s" for b, _, f in rows))
+    t = next((f["torch"] for _, _, f in rows if "torch" in f), None)
     if t:
-        print(f"# transformers {t['transformers']}, torch {t['torch']}, {t['threads']} threads, "
-              f"experts {args.torch_experts}, "
-              f"code path {t['code_path']}, params {t['n_params']:,}")
+        lines.append(f"transformers {t['transformers']}, torch {t['torch']}, {t['threads']} threads, "
+                     f"experts {args.torch_experts}, code path {t['code_path']}, params {t['n_params']:,}")
+    print("# generate benchmark  " + session.header())
+    print("\n".join(lines))
+    if args.record:
+        record("generate", lines, session, force=args.force)
+
 
 
 if __name__ == "__main__":

@@ -80,6 +80,35 @@ def test_backends_default_from_the_environment(on_gpu, monkeypatch):
             Backends(**{"kernels": "xla", field: value})
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel compiles")
+def test_a_kernel_that_fails_to_compile_runs_the_xla_path_with_one_warning(monkeypatch):
+    """Off a GPU the Triton kernels cannot compile (only their interpreter runs): exactly the
+    failure an opted-in kernel meets on an unsupported GPU or jax version."""
+    import warnings
+
+    monkeypatch.setattr(_impl, "_COMPILES", {})
+    monkeypatch.setattr(_impl, "_WARNED", set())
+    rng = np.random.default_rng(3)
+
+    def inputs(t):
+        q, k = (jnp.asarray(rng.standard_normal((1, t, 2, 16)) * 0.3, jnp.float32) for _ in range(2))
+        v = jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32)
+        g = jnp.asarray(-np.abs(rng.standard_normal((1, t, 2, 16))) * 0.1, jnp.float32)
+        beta = jnp.asarray(rng.uniform(0.1, 0.9, (1, t, 2)), jnp.float32)
+        return q, k, v, g, beta
+
+    args = inputs(21)
+    with pytest.warns(RuntimeWarning, match="'kda_chunk' failed to compile"):
+        out, state = _kda.kda_chunked(*args, chunk_size=16, impl="pallas")
+    want_out, want_state = _kda.kda_chunked(*args, chunk_size=16, impl="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(want_state))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # new shapes are checked again, but warned about once per kernel
+        jax.jit(lambda *a: _kda.kda_chunked(*a, chunk_size=16, impl="pallas"))(*inputs(9))
+    assert sorted(_impl._COMPILES.values()) == [False, False]
+
+
 # ---------------------------------------------------------------------------- gradients
 def _grads(fn, args, argnums):
     """Gradients of a random projection of fn's float outputs."""

@@ -31,7 +31,7 @@ def server():
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "k31jax.cli", "serve", "--config", "tiny", "--port", str(port),
            "--max-len", str(MAX_LEN),
-           "--max-batch", "8", "--prefill-chunk", "128", "--api-key", KEY, "--max-body-mb", "0.25"]
+           "--max-batch", "8", "--prefill-chunk", "8", "--api-key", KEY, "--max-body-mb", "0.25"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "K31JAX_COMPILE_CACHE": "0"})
     base = f"http://127.0.0.1:{port}"

@@ -1,17 +1,23 @@
 """Continuous batching (`k31jax.generate.Scheduler`) in-process on the tiny model: batch
 invariance, slot reuse, prefix reuse, compaction, forced tool choice, the bounded queue,
-cancellation, and no recompilation after warm-up."""
+cancellation, no recompilation after warm-up, and a follower (multi-host mode) stepping the
+same batch as its leader."""
 
 from __future__ import annotations
 
+import queue
+import threading
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from k31jax.chat import apply_chat_template, parse_k3_segments
-from k31jax.generate import (Engine, QueueFullError, Request, SamplingParams, Scheduler, ToolChoice,
-                             load_model)
+from k31jax.generate import (Engine, QueueFullError, Request, SamplingParams, Scheduler, TokenEvent, ToolChoice,
+                             load_model, min_context)
 
-MAX_LEN, CHUNK = 320, 32
+MAX_LEN, CHUNK = 320, 8
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +123,65 @@ def test_queue_bound_cancel_and_no_recompilation(setup):
     with pytest.raises(ValueError, match="context length 320"):
         sched.submit(Request(prompt * 70, max_new_tokens=3))
     assert dict(sched.programs.compile_counts) == compiled
+
+
+class _Pipe:
+    """`ProcessSync` within one process: the leader's plans reach one follower in order."""
+
+    def __init__(self, leader: bool, plans: queue.Queue):
+        self.leader, self.plans = leader, plans
+
+    def exchange(self, plan):
+        if self.leader:
+            self.plans.put(plan)
+            return plan
+        return self.plans.get(timeout=120)
+
+
+def test_follower_steps_the_same_batch_as_its_leader(setup):
+    """Multi-host serving's contract, in one process: the follower gets only the leader's plans
+    (new requests, cancellations), yet makes the same decisions, so it runs the same programs on
+    the same inputs: equal caches, counters and prefix-cache contents at the end."""
+    engine, sched, compiled = setup
+    plans: queue.Queue = queue.Queue()
+    leader = Scheduler(engine, max_batch=4, prefill_chunk=CHUNK, max_queue=16, sync=_Pipe(True, plans))
+    follower = Scheduler(engine, max_batch=4, prefill_chunk=CHUNK, max_queue=16, sync=_Pipe(False, plans))
+    leader.programs = follower.programs = sched.programs  # share the warm programs (one engine)
+    with pytest.raises(RuntimeError, match="follow"):
+        leader.follow()
+    thread = threading.Thread(target=follower.follow, daemon=True)
+    thread.start()
+    leader.start()
+    tok = engine.tokenizer
+    prompts = _prompts(tok, 6, seed=5)
+    first = leader.submit(Request(prompts[0], max_new_tokens=12, stop_ids=frozenset())).result(timeout=300)
+    # (its snapshots are stored: the last request below resumes from one)
+    cut = leader.submit(Request(prompts[1], max_new_tokens=200, stop_ids=frozenset()))
+    handles = [leader.submit(Request(p, SamplingParams(temperature=0.8, seed=i), max_new_tokens=6 + 9 * i))
+               for i, p in enumerate(prompts[2:])]
+    handles.append(leader.submit(Request(prompts[0] + first.completion.tokens + prompts[5],
+                                         max_new_tokens=8, stop_ids=frozenset())))
+    events = cut.events(timeout=300)
+    assert isinstance(next(events), TokenEvent)
+    cut.cancel()  # mid-generation, as a client that went away
+    results = [h.result(timeout=300) for h in handles]
+    leader.stop()
+    thread.join(60)
+    assert not thread.is_alive()  # the leader's stop plan ended the follower's loop
+    assert results[-1].cached_tokens > len(prompts[0])  # resumed from the turn-end snapshot
+    assert leader.stats["cancelled"] == 1 and leader.stats["requests"] == 7
+    assert follower.stats == leader.stats
+    assert follower.pos == leader.pos and follower.prefix.hits == leader.prefix.hits
+    assert list(follower.prefix._entries) == list(leader.prefix._entries)
+    for a, b in zip(jax.tree.leaves(leader.cache), jax.tree.leaves(follower.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert dict(sched.programs.compile_counts) == compiled
+
+
+def test_minimum_context(setup):
+    engine, _, _ = setup
+    assert min_context(CHUNK) == CHUNK + 18
+    small = Engine(nnx.merge(engine.graphdef, engine.state), engine.tokenizer, max_len=CHUNK + 17,
+                   prefill_chunk=CHUNK)
+    with pytest.raises(ValueError, match=f"max_len {CHUNK + 17} is below the scheduler's minimum {CHUNK + 18}"):
+        Scheduler(small, prefill_chunk=CHUNK)

@@ -4,6 +4,11 @@ raw text with it unless `--chat` is given), or a preset with seeded random weigh
 
 Output: reasoning dimmed (labelled ``[thinking]`` when stdout is not a terminal), then the
 answer; tool calls as JSON lines; a timing line (prefill tok/s, decode tok/s) on stderr.
+
+Images: `generate --image PATH` (repeatable) and the chat command `/image PATH` put images
+before the prompt text (JPEG, PNG, WebP). A checkpoint's own vision tower reads them; the
+embedded default model and presets have none trained, so they get a small tower with SEEDED
+RANDOM weights (a stderr line says so): the plumbing runs, the model cannot see the image.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from pathlib import Path
 
 import jax
 
-from ..chat import (ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
+from ..chat import (ContentDelta, ReasoningDelta, Segment, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                     apply_chat_template)
 from ..config import preset_names
-from ..generate import DEFAULT_MODEL, ChatSession, Engine, SamplingParams, load_model
+from ..generate import DEFAULT_MODEL, ChatSession, Engine, Request, SamplingParams, load_model
+from ..vision import ImageError, decode_image
 from ._common import UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context, install
 
 DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
@@ -101,16 +107,25 @@ def _enable_compile_cache() -> None:
         pass
 
 
-def _engine(args):
-    """(Engine, the loaded model's `raw_completion`)."""
+def _engine(args, vision: bool | None = False):
+    """(Engine, the loaded model's `raw_completion`, the `LoadedModel`). `vision` as in
+    `load_model`: True loads (or builds a seeded random) vision tower now."""
     _enable_compile_cache()
     loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
-                        tokenizer=args.tokenizer)
+                        tokenizer=args.tokenizer, vision=vision)
     if loaded.banner:
         print(f"[k31jax] {loaded.banner}", file=sys.stderr)
+    if loaded.vision_banner:
+        print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
     model = args.sharding.place(loaded.model) if getattr(args, "sharding", None) else loaded.model
-    engine = Engine(model, loaded.tokenizer, max_len=args.max_len, prefill_chunk=args.prefill_chunk)
-    return engine, loaded.raw_completion
+    engine = Engine(model, loaded.tokenizer, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    vision=loaded.vision)
+    return engine, loaded.raw_completion, loaded
+
+
+def image_part(path: str) -> dict:
+    """An OpenAI image part for a local file."""
+    return {"type": "image_url", "image_url": {"url": str(path)}}
 
 
 def _params(args):
@@ -131,26 +146,34 @@ def _timing(result) -> None:
 
 # ---- generate -------------------------------------------------------------------------
 def _cmd_generate(args) -> int:
-    engine, raw_model = _engine(args)
+    engine, raw_model, _ = _engine(args, vision=bool(args.image))
     tok = engine.tokenizer
     thinking = not args.no_think
     args.raw = args.raw or (raw_model and not args.chat)
     if args.raw and raw_model and not args.chat:
         print("[k31jax] raw completion (this model saw no chat data; --chat wraps the prompt in the chat format)",
               file=sys.stderr)
-    if args.raw:
-        prompt = tok.encode(args.prompt)
+    media = engine.image_prompts() if args.image else None
+    if args.raw:  # [BOS] + one media block per image + the prompt text
+        blocks = [Segment(media(image_part(path)), True) for path in args.image]
+        prompt = tok.encode_segments(blocks + [Segment(args.prompt, False)])
         if tok.bos_id is not None:
             prompt = [tok.bos_id] + prompt
     else:
-        prompt = apply_chat_template(tok, [{"role": "user", "content": args.prompt}],
-                                     thinking=thinking, thinking_effort=_effort(args))
+        content = [image_part(p) for p in args.image] + [{"type": "text", "text": args.prompt}] if args.image \
+            else args.prompt
+        prompt = apply_chat_template(tok, [{"role": "user", "content": content}],
+                                     thinking=thinking, thinking_effort=_effort(args), media_prompt=media)
+    if media is not None:
+        sizes = ", ".join(f"{im.width}x{im.height} -> {im.num_tokens} tokens" for im in media.images)
+        print(f"[k31jax] images: {sizes}", file=sys.stderr)
     out = sys.stdout
     printer = EventPrinter(out, _color(args, out))
-    kwargs = dict(stop=tuple(args.stop), parse=not args.raw,
-                  thinking_budget=args.thinking_budget if thinking and not args.raw else None)
+    request = Request(prompt, _params(args), args.max_new_tokens, None, tuple(args.stop),
+                      args.thinking_budget if thinking and not args.raw else None, parse=not args.raw,
+                      images=media.images if media is not None else ())
     if args.stream:
-        for delta in engine.stream([prompt], args.max_new_tokens, _params(args), **kwargs):
+        for delta in engine.stream([request]):
             if args.raw:
                 out.write(_printable(delta.text))
                 out.flush()
@@ -158,7 +181,7 @@ def _cmd_generate(args) -> int:
                 printer.event(ev)
         result = engine.last_result
     else:
-        result = engine.generate([prompt], args.max_new_tokens, _params(args), **kwargs)
+        result = engine.generate([request])
         comp = result.completions[0]
         if args.raw:
             out.write(_printable(comp.text))
@@ -186,7 +209,8 @@ def _print_parsed(printer: EventPrinter, parsed) -> None:
 
 
 # ---- chat -----------------------------------------------------------------------------
-CHAT_HELP = """commands: /exit, /reset, /history (messages as JSON), /effort low|high|max|none, /help
+CHAT_HELP = """commands: /exit, /reset, /history (messages as JSON), /effort low|high|max|none,
+/image PATH (attach an image to your next message), /help
 After a turn with tool calls, type each result (JSON or text) at its prompt; an empty line
 skips the rest and returns to the user prompt."""
 
@@ -202,10 +226,30 @@ def load_tools(path: str | None):
     return [t if "function" in t else {"type": "function", "function": t} for t in data]
 
 
-def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, err=None) -> int:
-    """The REPL over `session` (a `ChatSession`), reading lines from `inp`."""
+def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, err=None,
+             load_vision=None) -> int:
+    """The REPL over `session` (a `ChatSession`), reading lines from `inp`. `load_vision()`
+    returns a vision model for the engine when the first `/image` needs one (None: images are
+    refused unless the engine has one)."""
     err = err or sys.stderr
     printer = EventPrinter(out, color)
+    images: list[str] = []  # attached to the next user message
+
+    def attach(path: str) -> None:
+        if not path:
+            out.write("(usage: /image PATH)\n")
+            return
+        try:
+            decode_image(path)
+            if session.engine.vision is None:
+                if load_vision is None:
+                    raise ValueError("this model has no vision tower")
+                session.engine.set_vision(load_vision())
+        except (ValueError, OSError) as e:
+            print(f"[k31jax] error: /image {path}: {e}", file=err)
+            return
+        images.append(path)
+        out.write(f"(image attached to your next message: {path})\n")
 
     def ask(label: str) -> str | None:
         if prompts:
@@ -248,9 +292,14 @@ def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, e
             elif cmd == "/effort":
                 session.effort = None if arg.strip() in ("", "none") else arg.strip()
                 out.write(f"(effort: {session.effort})\n")
+            elif cmd == "/image":
+                attach(arg.strip())
             else:
                 out.write(CHAT_HELP + "\n")
             continue
+        if images:
+            text = [image_part(p) for p in images] + [{"type": "text", "text": text}]
+            images = []
         if not turn(text):
             continue
         while session.pending_tool_calls():
@@ -267,7 +316,7 @@ def run_chat(session, inp, out, *, color: bool = False, prompts: bool = False, e
 
 
 def _cmd_chat(args) -> int:
-    engine, raw_model = _engine(args)
+    engine, raw_model, loaded = _engine(args, vision=None)
     if raw_model:
         print("[k31jax] note: this model saw no chat data; its answers continue text rather than follow "
               "instructions", file=sys.stderr)
@@ -278,8 +327,15 @@ def _cmd_chat(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(CHAT_HELP, file=sys.stderr)
+
+    def load_vision():
+        vision = loaded.load_vision()
+        if loaded.vision_banner:
+            print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
+        return vision
+
     return run_chat(session, sys.stdin, sys.stdout, color=_color(args, sys.stdout),
-                    prompts=interactive)
+                    prompts=interactive, load_vision=load_vision)
 
 
 # ---- argparse -------------------------------------------------------------------------
@@ -331,6 +387,9 @@ def register(sub) -> None:
     _common(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image (JPEG, PNG, WebP) before the prompt (repeatable); the embedded model and "
+                          "presets read it with a seeded RANDOM vision tower")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true",
                       help="no chat template: BOS + prompt text (the default for the embedded model)")
@@ -372,6 +431,11 @@ def _check_args(args) -> None:
     if any(not s for s in args.stop):
         raise UsageError("--stop: an empty stop string would end every answer at once")
     check_mesh_args(args)
+    for path in getattr(args, "image", None) or ():
+        try:
+            decode_image(path)
+        except ImageError as e:
+            raise UsageError(f"--image {e}") from None
     tools = getattr(args, "tools", None)
     try:
         args.tool_list = load_tools(tools)

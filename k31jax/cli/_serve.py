@@ -6,8 +6,10 @@ scheduler, compiles every program once (warm-up) and then listens, on 127.0.0.1 
 stderr when it is ready. SIGINT / SIGTERM stop it cleanly.
 
 With ``--mesh`` (one host) the model and every jitted program run sharded on that mesh. Across
-several hosts (``--coordinator/--num-processes/--process-id``), every process runs this same
-command; see the README ("Serving") for what is and is not supported there.
+several processes or hosts (``--coordinator/--num-processes/--process-id`` and a ``--mesh`` over
+all their devices), every process runs this same command: process 0 serves HTTP and broadcasts
+each scheduler turn's plan, the others follow it (``k31jax.generate.ProcessSync``), so every
+process steps the same batch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..config import preset_names
-from ..generate import DEFAULT_MODEL, Engine, Scheduler, load_model
+from ..generate import DEFAULT_MODEL, Engine, ProcessSync, Scheduler, load_model, min_context
 from ._common import UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context, install
 
 
@@ -35,11 +37,17 @@ def register(sub) -> None:
     p.add_argument("--model-name", default=None, help="model id clients send (default: k31jax-<config> "
                    "or the checkpoint folder name)")
     p.add_argument("--max-batch", type=int, default=8, help="decode slots (concurrent requests)")
-    p.add_argument("--max-len", type=int, default=4096, help="context length: prompt + output tokens")
+    p.add_argument("--max-len", type=int, default=4096,
+                   help="context length: prompt + output tokens (at least --prefill-chunk + 18)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prefill call width")
     p.add_argument("--prefix-cache-mb", type=int, default=1024, help="session snapshot memory (0 = off)")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
+    p.add_argument("--vision", action="store_true",
+                   help="accept images with a seeded RANDOM vision tower when the model has no trained one "
+                        "(the embedded default model, presets); a checkpoint's own tower loads without this")
+    p.add_argument("--image-dir", default=None,
+                   help="read image parts that name local files only below this folder (default: no local files)")
     add_distributed_arguments(p)
     install(p, "serve", _run, validate=_check)
 
@@ -47,9 +55,12 @@ def register(sub) -> None:
 def _check(args) -> None:
     check_int("--port", args.port, low=0, high=65535)
     check_int("--max-batch", args.max_batch, low=1)
-    check_int("--max-len", args.max_len, low=2)
-    check_int("--max-queue", args.max_queue, low=1)
     check_int("--prefill-chunk", args.prefill_chunk, low=1)
+    need = min_context(args.prefill_chunk)
+    if args.max_len < need:
+        raise UsageError(f"--max-len {args.max_len}: expected >= {need} with --prefill-chunk {args.prefill_chunk} "
+                         "(the scheduler's warm-up resumes a prompt of --prefill-chunk + 16 tokens and makes 2)")
+    check_int("--max-queue", args.max_queue, low=1)
     check_int("--prefix-cache-mb", args.prefix_cache_mb, low=0)
     if not args.max_body_mb > 0:
         raise UsageError(f"--max-body-mb {args.max_body_mb}: expected a number > 0")
@@ -57,29 +68,47 @@ def _check(args) -> None:
         raise UsageError(f"--ckpt {args.ckpt}: no such checkpoint folder")
     if args.config is not None and args.config not in preset_names():
         raise UsageError(f"--config {args.config!r}: not a preset (presets: {', '.join(preset_names())})")
+    if args.image_dir is not None and not Path(args.image_dir).is_dir():
+        raise UsageError(f"--image-dir {args.image_dir}: no such folder")
     check_mesh_args(args)
+    if (args.num_processes or 1) > 1 and not args.mesh:
+        raise UsageError(f"--num-processes {args.num_processes}: multi-process serving needs --mesh over every "
+                         "process's devices (each process steps the same sharded batch)")
 
 
 def _run(args) -> int:
+    import jax
     import uvicorn  # imported here: the other commands never need the server stack
 
     from ..serve import ServeSettings, create_app
 
     with cli_context(args) as ctx:
+        sync = ProcessSync() if jax.process_count() > 1 else None
+        if sync is not None and ctx.mesh is None:
+            raise UsageError(f"{jax.process_count()} processes: multi-process serving needs --mesh over every "
+                             "process's devices")
         loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
-                            tokenizer=args.tokenizer)
+                            tokenizer=args.tokenizer, vision=True if args.vision else None)
         if loaded.banner:
             print(f"[k31jax] {loaded.banner}", file=sys.stderr)
+        if loaded.vision_banner:
+            print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
         engine = Engine(ctx.place(loaded.model), loaded.tokenizer, max_len=args.max_len,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, vision=loaded.vision)
         scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                               prefill_chunk=args.prefill_chunk,
-                              prefix_cache_bytes=args.prefix_cache_mb << 20)
+                              prefix_cache_bytes=args.prefix_cache_mb << 20, sync=sync)
         seconds = scheduler.warmup()
         print(f"[k31jax] compiled the serving programs in {seconds:.1f} s", file=sys.stderr)
+        if sync is not None and not sync.leader:
+            print(f"k31jax serve: process {jax.process_index()} of {sync.processes} follows process 0",
+                  file=sys.stderr, flush=True)
+            scheduler.follow()
+            return 0
         name = args.model_name or (f"k31jax-{Path(args.ckpt).name}" if args.ckpt else f"k31jax-{args.config or DEFAULT_MODEL}")
         app = create_app(scheduler, ServeSettings(model_name=name, api_key=args.api_key,
-                                                  max_body_bytes=int(args.max_body_mb * (1 << 20))))
+                                                  max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                                                  image_dir=args.image_dir))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         scheduler.start()

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from ..distributed import initialize
 from ..nn import REMAT_POLICIES, quantize_experts
-from ..train import DataConfig, OptimConfig, TrainConfig, evaluate, load_any, plot_metrics
-from ..train._config import MASTER_DTYPES
+from ..train import (DataConfig, OptimConfig, TrainConfig, evaluate, indexer_recall, load_any, plot_metrics,
+                     with_index_topk)
+from ..train._config import DISTILL_STAGES, MASTER_DTYPES
 from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
-from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer
-from ._common import check_float, check_int, check_mesh_spec, check_rules, install
+from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer, with_config
+from ._common import UsageError, check_float, check_int, check_mesh_spec, check_rules, install
 
 # Settings a resumed run may change; everything else must stay as the run was started.
 _RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches")
@@ -31,7 +32,8 @@ def _config_from_args(args) -> TrainConfig:
     warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(optimizer=args.optimizer, learning_rate=args.lr, warmup_steps=warmup,
                         total_steps=args.steps, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-                        clip_norm=args.clip_norm or None, trainable=args.trainable)
+                        clip_norm=args.clip_norm or None,
+                        trainable=args.trainable or ("indexer" if args.distill_indexer else "all"))
     return TrainConfig(out=args.out, data=data, optim=optim, steps=args.steps, model=args.config, init=args.init,
                        tokenizer=args.tokenizer, dtype=args.dtype, qat=args.qat,
                        mxfp8_activations=args.mxfp8_activations, grad_accum=args.grad_accum, remat=args.remat,
@@ -39,7 +41,7 @@ def _config_from_args(args) -> TrainConfig:
                        balance_loss=args.balance_loss, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                        save_every=args.save_every, keep=args.keep, log_every=args.log_every,
                        eval_every=args.eval_every, eval_batches=args.eval_batches, mesh=args.mesh,
-                       rules=args.rules, seed=args.seed)
+                       rules=args.rules, seed=args.seed, distill_indexer=args.distill_indexer)
 
 
 def _resumed_config(args) -> TrainConfig:
@@ -80,7 +82,9 @@ def _cmd_train(args) -> int:
               file=sys.stderr)
         return SIGTERM_EXIT
     held_out = f"; held-out {result.eval.line()}" if result.eval else " (no held-out split)"
-    print(f"step {result.step}: train loss {float(result.last_metrics['loss']):.4f}{held_out}")
+    kl = result.last_metrics.get("indexer_kl")
+    kl = "" if kl is None else f", indexer KL {float(kl):.4f} nats/query"
+    print(f"step {result.step}: train loss {float(result.last_metrics['loss']):.4f}{kl}{held_out}")
     if result.final_dir is not None:
         print(f"exported: {result.final_dir / 'release'} (release layout), {result.final_dir / 'orbax'} (k31jax Orbax)")
     return 0
@@ -89,21 +93,46 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     try:
         model, tokenizer, source = load_any(args.ckpt, tokenizer=args.tokenizer)
+        if args.dtype is not None and args.dtype != model.config.dtype:
+            model = with_config(model, model.config.replace(dtype=args.dtype))
         if args.quantize_experts:
             if not model.config.moe_layers or model.config.expert_weights == "mxfp4":
                 return _fail("eval", "--quantize-experts needs a model with float routed experts")
             model = quantize_experts(model)
         data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size,
                           holdout_fraction=args.holdout_fraction)
+        recall = None
+        if args.indexer_recall:
+            if not model.config.use_indexer:
+                return _fail("eval", "--indexer-recall needs a model with the lightning indexer (index_topk is None)")
+            top_k = args.top_k or (max(1, round(args.top_k_fraction * args.seq_len)) if args.top_k_fraction
+                                   else model.config.index_topk)
+            recall = indexer_recall(model, tokenizer, data, top_k=top_k, max_batches=args.max_batches,
+                                    split=args.split)
+        if args.index_topk is not None:
+            if not model.config.use_indexer:
+                return _fail("eval", "--index-topk needs a model with the lightning indexer (index_topk is None)")
+            model = with_index_topk(model, args.seq_len if args.index_topk == "dense" else int(args.index_topk))
         result = evaluate(model, tokenizer, data, max_batches=args.max_batches, split=args.split)
     except (ValueError, FileNotFoundError, OSError) as e:
         if args.debug:
             raise
         return _fail("eval", str(e))
     what = " (routed experts rounded to MXFP4 after training)" if args.quantize_experts else ""
+    if model.config.use_indexer:
+        k = model.config.index_topk
+        what += (", dense attention (no top-k selection)" if k >= args.seq_len
+                 else f", sparse attention (top-{k} of {args.seq_len})")
     print(f"{source}{what}, {args.split} split of {', '.join(args.data)}: {result.line()}")
+    if recall is not None:
+        print(f"indexer: {recall.line()}")
     if args.json:
-        print(json.dumps(dataclasses.asdict(result)))
+        row = dataclasses.asdict(result)
+        if model.config.use_indexer:
+            row["index_topk"] = model.config.index_topk
+        if recall is not None:
+            row["indexer_recall"] = dataclasses.asdict(recall)
+        print(json.dumps(row))
     return 0
 
 
@@ -142,7 +171,14 @@ def register(sub) -> None:
     t.add_argument("--min-lr-ratio", type=float, default=0.1)
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--clip-norm", type=float, default=1.0, help="global-norm clip (0: off)")
-    t.add_argument("--trainable", default="all", choices=TRAINABLE_SETS)
+    t.add_argument("--trainable", default=None, choices=TRAINABLE_SETS,
+                   help="weights to train (default: all; with --distill-indexer: indexer)")
+    t.add_argument("--distill-indexer", nargs="?", const="dense", default=None, choices=DISTILL_STAGES,
+                   help="indexer distillation (DeepSeek-V3.2): 'dense' (the default) = the warm-up, the model "
+                        "frozen, attention dense, the indexer trained by KL to the layer's attention summed over "
+                        "heads; 'sparse' = attention on the model's top-k, the indexer trained by the KL over the "
+                        "selection, other --trainable weights by the LM loss. Start from --init; pass --qat to "
+                        "export an MXFP4 model's experts packed again")
     t.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters only")
     t.add_argument("--lora-alpha", type=float, default=16.0)
     t.add_argument("--remat", default="none", choices=REMAT_POLICIES)
@@ -176,6 +212,19 @@ def register(sub) -> None:
     e.add_argument("--max-batches", type=int, default=None)
     e.add_argument("--quantize-experts", action="store_true",
                    help="round float routed experts to MXFP4 first (the post-training-quantisation baseline)")
+    e.add_argument("--dtype", default=None, choices=MASTER_DTYPES,
+                   help="compute dtype (default: the checkpoint's; a release folder is bfloat16, the embedded "
+                        "model float32)")
+    e.add_argument("--index-topk", default=None,
+                   help="override the indexer's top-k for the loss: a number, or 'dense' (no selection)")
+    e.add_argument("--indexer-recall", action="store_true",
+                   help="also report the indexers' top-k recall: the share of each query's dense attention "
+                        "(summed over heads) on the keys the indexer ranks top-k, averaged over queries with more "
+                        "than k candidates")
+    k = e.add_mutually_exclusive_group()
+    k.add_argument("--top-k", type=int, default=None, help="k for --indexer-recall (default: the model's index_topk)")
+    k.add_argument("--top-k-fraction", type=float, default=None,
+                   help="k for --indexer-recall as a fraction of --seq-len (e.g. 0.125)")
     e.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     e.add_argument("--debug", action="store_true")
     install(e, "eval", _cmd_eval, validate=_check_eval_args)
@@ -213,4 +262,15 @@ def _check_train_args(args) -> None:
 def _check_eval_args(args) -> None:
     _check_data_args(args)
     check_int("--max-batches", args.max_batches, low=1, optional=True)
+    if args.index_topk is not None and args.index_topk != "dense":
+        try:
+            value = int(args.index_topk)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise UsageError(f"--index-topk {args.index_topk!r}: expected a positive integer or 'dense'")
+    if (args.top_k is not None or args.top_k_fraction is not None) and not args.indexer_recall:
+        raise UsageError("--top-k / --top-k-fraction set the k of --indexer-recall; add --indexer-recall")
+    check_int("--top-k", args.top_k, low=1, optional=True)
+    check_float("--top-k-fraction", args.top_k_fraction, low=0, high=1, low_open=True, optional=True)
 

@@ -111,6 +111,8 @@ def _put(x, sharding: NamedSharding):
         return x
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global (built under the mesh)
+        return jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

@@ -6,22 +6,27 @@ streaming text and structured events, and a multi-turn chat session.
 - ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
 - ``ChatSession``: K3 chat history (reasoning, tool calls, tool results) over an engine.
 - ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model.
+- Images: ``Engine(..., vision=loaded.vision)`` (``load_model(vision=True)``: the checkpoint's
+  tower, or a seeded random one for the embedded model), ``engine.image_prompts()`` as the
+  chat template's ``media_prompt``, ``Request(ids, images=prompts.images)``.
 - ``Scheduler``: continuous batching over a slot cache (requests join and leave between decode
-  steps), session prefix reuse (``PrefixCache``) and forced tool choice (``ToolChoice``).
+  steps), session prefix reuse (``PrefixCache``) and forced tool choice (``ToolChoice``);
+  ``ProcessSync`` runs it multi-host (process 0 decides, every process steps the same batch).
 """
 
 from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
-from ._loading import DEFAULT_MODEL, LoadedModel, load_model
+from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
+from ._multihost import ProcessSync
 from ._requests import Completion, Request, StreamDelta
 from ._prefix import PrefixCache
 from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
 from ._scheduler import (Failed, Finished, Handle, QueueFullError, Scheduler, TokenEvent, TokenLogprob,
-                         ToolChoice)
+                         ToolChoice, TurnPlan, min_context)
 from ._session import ChatSession, TurnResult
 
 __all__ = [
     "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationResult",
-    "Handle", "LoadedModel", "PrefixCache", "QueueFullError", "Request", "SamplerState", "SamplingParams",
-    "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnResult",
-    "bucket_length", "load_model", "plan_prefill", "sample_logits", "sample_tokens",
+    "Handle", "LoadedModel", "PrefixCache", "ProcessSync", "QueueFullError", "Request", "SamplerState", "SamplingParams",
+    "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult",
+    "bucket_length", "embedded_model_dir", "load_model", "min_context", "plan_prefill", "sample_logits", "sample_tokens",
 ]

@@ -17,6 +17,10 @@
 - The model is split once (``nnx.split``); jitted functions are pure in
   ``(graphdef, backends, state, cache, …)`` with the cache (and the sampler's ``seen`` mask)
   donated. ``backends`` (`k31jax.ops.Backends`) picks the hot paths' implementations.
+- **Images** (``Request.images``, with a ``vision`` model): the vision model runs once per
+  request before prefill (one program per patch-count bucket); each prefill call that holds
+  ``<|media_pad|>`` positions splices the request's rows there (one image prefill program per
+  (batch, width), whatever the image count; ``_images``). Decode never splices.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from flax import nnx
 from ..chat import ThinkingBudget
 from ..nn import Cache, init_cache
 from ..ops import Backends
+from ..vision import ImagePrompts, ImageProcessorConfig, splice_image_embeddings
+from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
 from ._requests import (Completion, Request, RowController, StreamDelta, normalize_requests)
 from ._sampling import SamplingParams, make_sampler_state, sample_tokens, sampler_arrays
 
@@ -60,6 +66,27 @@ def _prefill_fn(graphdef, backends, state, cache: Cache, tokens, valid):
     return model.logits(hidden[:, -1:])[:, 0], cache
 
 
+def image_prefill_embeds(model, tokens, splice_ids, rows, pad_id):
+    """The layer stack's input of an image prefill call: the token embeddings with row k of
+    `rows` at the k-th `pad_id` position of `splice_ids` (-1 where nothing is spliced), row-major.
+    `rows` is zero-padded to the call's `B * w` (fixed shape), so this runs traced: the count
+    check of `splice_image_embeddings` is for concrete ids; requests are checked at admission
+    (`check_image_request`)."""
+    return splice_image_embeddings(model.embed_tokens(tokens), splice_ids, rows, pad_id)
+
+
+def _prefill_image_fn(graphdef, backends, state, cache: Cache, tokens, valid, splice_ids, rows, pad_id):
+    """`_prefill_fn` on `image_prefill_embeds`."""
+    model = nnx.merge(graphdef, state)
+    embeds = image_prefill_embeds(model, tokens, splice_ids, rows, pad_id)
+    hidden, cache, _ = model.hidden_states(tokens, cache, valid=valid, backends=backends, embeds=embeds)
+    return model.logits(hidden[:, -1:])[:, 0], cache
+
+
+def _vision_fn(graphdef, state, inputs):
+    return nnx.merge(graphdef, state)(inputs)
+
+
 def _first_fn(logits, arrays, force):
     return sample_tokens(logits, make_sampler_state(**arrays), force)
 
@@ -78,6 +105,8 @@ def _init_cache_fn(config, batch: int, max_len: int) -> Cache:
 _JITS = {
     "init_cache": (jax.jit(_init_cache_fn, static_argnums=(0, 1, 2)), 3),
     "prefill": (jax.jit(_prefill_fn, static_argnums=(0, 1), donate_argnums=(3,)), 2),
+    "prefill_image": (jax.jit(_prefill_image_fn, static_argnums=(0, 1), donate_argnums=(3,)), 2),
+    "vision": (jax.jit(_vision_fn, static_argnums=(0,)), 1),
     "first": (jax.jit(_first_fn), 0),
     "decode": (jax.jit(_decode_fn, static_argnums=(0, 1), donate_argnums=(3, 5)), 2),
 }
@@ -147,11 +176,12 @@ class Engine:
                    debugging).
     backends       the hot paths' implementations (`k31jax.ops.Backends`; default
                    `Backends()`, whose kernel choice comes from `$K31JAX_KERNELS`).
+    vision         a `k31jax.vision.VisionModel` for requests with images (or `set_vision`).
     """
 
     def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
                  min_bucket: int = 16, stop_ids=None, pipeline: bool = True,
-                 backends: Backends | None = None):
+                 backends: Backends | None = None, vision=None):
         if prefill_chunk < 1 or min_bucket < 1:
             raise ValueError("prefill_chunk and min_bucket must be >= 1")
         self.config = model.config
@@ -174,6 +204,89 @@ class Engine:
         self.compile_seconds = 0.0  # total over this engine's life
         self._run_compile = 0.0
         self.last_result: GenerationResult | None = None
+        self.vision = None
+        self.set_vision(vision)
+
+    # ---- images -------------------------------------------------------------------------
+    def set_vision(self, vision) -> None:
+        """Use `vision` (a `k31jax.vision.VisionModel`, or None) for requests with images."""
+        if vision is not None:
+            vcfg = vision.projector.cfg
+            if vcfg.text_hidden_size != self.config.hidden_size:
+                raise ValueError(f"the vision model projects to {vcfg.text_hidden_size} features but the text "
+                                 f"model's hidden_size is {self.config.hidden_size}")
+            self._vision_split = nnx.split(vision)
+            self._rows_dtype = jnp.dtype(vision.projector.post_norm[...].dtype)
+            self._zero_rows: dict[tuple, jax.Array] = {}
+        self.vision = vision
+        self.media_pad_id = media_pad_id(self.tokenizer, None if vision is None else vision.projector.cfg)
+
+    def image_prompts(self, *, base_dir=None) -> ImagePrompts:
+        """A `media_prompt` for `render_k3` / `apply_chat_template` that reads image parts with
+        this vision model's processor settings (`prompts.images` then go into `Request.images`)."""
+        if self.vision is None:
+            raise ValueError("this engine has no vision model: image inputs need one (Engine(vision=...))")
+        vcfg = self.vision.projector.cfg
+        kh, kw = vcfg.merge_kernel_size
+        if kh != kw:
+            raise ValueError(f"the K3 image processor merges square blocks; merge_kernel_size is {kh}x{kw}")
+        return ImagePrompts(ImageProcessorConfig(patch_size=vcfg.patch_size, merge_kernel_size=kh), base_dir=base_dir)
+
+    def prefill_args(self, tokens: np.ndarray, valid: np.ndarray, splice_ids: np.ndarray | None = None,
+                     spliced: np.ndarray | None = None) -> tuple[str, tuple]:
+        """(program kind, data arguments after the cache) of one prefill call `[B, w]`. Without a
+        vision model: the text program. With one: always the image program (zero rows when
+        nothing is spliced), so a vision engine compiles one prefill program per (batch, width)
+        whatever mix of requests with and without images it sees."""
+        if self.vision is None:
+            if spliced is not None:
+                raise ValueError("image rows to splice but this engine has no vision model")
+            return "prefill", (jnp.asarray(tokens), jnp.asarray(valid))
+        b, w = tokens.shape
+        ids = np.full((b, w), -1, np.int32) if splice_ids is None else splice_ids
+        if spliced is None:
+            key = (b * w, self._rows_dtype)
+            if key not in self._zero_rows:
+                self._zero_rows[key] = jnp.zeros((b * w, self.config.hidden_size), self._rows_dtype)
+            rows = self._zero_rows[key]
+        else:
+            rows = jnp.asarray(spliced, self._rows_dtype)
+        return "prefill_image", (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(ids, jnp.int32), rows,
+                                 np.int32(self.media_pad_id))
+
+    def prefill_calls(self, reqs: Sequence[Request], length: int, width: int) -> Iterator[tuple[str, tuple]]:
+        """`prefill_args` of each call that prefills `reqs` left-padded to `length`, `width`
+        tokens at a time; runs the vision model once per request with images (before the first
+        call), and each call splices the image rows of its pads."""
+        b = len(reqs)
+        tokens = np.zeros((b, length), np.int32)
+        valid = np.zeros((b, length), bool)
+        for i, r in enumerate(reqs):
+            tokens[i, length - len(r.prompt):] = r.prompt
+            valid[i, length - len(r.prompt):] = True
+        image_rows = [self.image_rows(r) for r in reqs]
+        has_images = any(m is not None for m in image_rows)
+        splice_ids = np.where(valid & np.asarray([m is not None for m in image_rows])[:, None], tokens, -1)
+        next_row = [0] * b
+        for c in range(0, length, width):
+            chunk_ids = splice_ids[:, c:c + width]
+            spliced = chunk_splice(chunk_ids, image_rows, next_row, self.media_pad_id) if has_images else None
+            yield self.prefill_args(tokens[:, c:c + width], valid[:, c:c + width], chunk_ids, spliced)
+
+    def check_images(self, req: Request) -> None:
+        """Raise `ValueError` when `req`'s images cannot be spliced into its prompt."""
+        check_image_request(req.prompt, req.images, self.media_pad_id,
+                            None if self.vision is None else self.vision.projector.cfg)
+
+    def image_rows(self, req: Request) -> np.ndarray | None:
+        """The projected rows `[M, D]` of `req`'s images (host array; None without images):
+        one vision model call for all of them."""
+        if not req.images:
+            return None
+        self.check_images(req)
+        inputs, m = packed_request_images(req.images, self.vision.projector.cfg)
+        graphdef, state = self._vision_split
+        return np.asarray(self._call("vision", graphdef, state, inputs))[:m]
 
     # ---- compilation --------------------------------------------------------------------
     def _call(self, kind: str, *args):
@@ -252,21 +365,16 @@ class Engine:
         bad = sorted({t for r in reqs for t in r.prompt if not 0 <= t < vocab})
         if bad:
             raise ValueError(f"prompt token ids {bad[:10]} outside the vocabulary [0, {vocab})")
+        for r in reqs:
+            self.check_images(r)
         rows = [RowController(i, r, self.tokenizer, self.stop_ids,
                               self._budget(r.chat_format, r.thinking_budget)
                               if r.thinking_budget is not None else None)
                 for i, r in enumerate(reqs)]
 
-        tokens = np.zeros((b, length), np.int32)
-        valid = np.zeros((b, length), bool)
-        for i, r in enumerate(reqs):
-            tokens[i, length - len(r.prompt):] = r.prompt
-            valid[i, length - len(r.prompt):] = True
         cache = self.init_cache(b)
-        for c in range(0, length, width):
-            logits, cache = self._call("prefill", self.graphdef, self.backends, self.state, cache,
-                                       jnp.asarray(tokens[:, c:c + width]),
-                                       jnp.asarray(valid[:, c:c + width]))
+        for kind, data in self.prefill_calls(reqs, length, width):
+            logits, cache = self._call(kind, self.graphdef, self.backends, self.state, cache, *data)
         arrays = sampler_arrays([r.params for r in reqs], [r.prompt for r in reqs], vocab)
         force = np.asarray([row.force() for row in rows], np.int32)
         token, sampler = self._call("first", logits, arrays, force)

@@ -11,24 +11,40 @@ trained with QAT) shipped in ``k31jax/assets/embedded`` in the release layout, t
 Python standard library's sources with a byte-level tokenizer (`scripts/train_embedded_model.py`
 reproduces it). It has seen no chat data, so `raw_completion` tells the CLI to complete text
 rather than wrap it in the chat format. A preset name (``config=``) builds seeded random weights.
+
+Vision: a checkpoint with a ``vision_config`` carries its MoonViT tower and projector
+(``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.vision.load_vision_model``. The
+embedded default model has **no trained vision tower**: for image inputs it gets a small one
+with **seeded random** weights (``EMBEDDED_VISION``, built from ``seed`` on demand, not shipped),
+so its "captions" show the plumbing, not understanding. A preset builds its own
+``vision_config`` (or the small one) with seeded random weights, likewise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..chat import ByteTokenizer, KimiTokenizer
-from ..ckpt import load_checkpoint, load_hf_weights
-from ..config import ModelConfig
+from ..ckpt import SafetensorsIndex, load_checkpoint, load_hf_weights, load_vision
+from ..config import ModelConfig, VisionConfig
 from ..nn import K31ForCausalLM
+from ..vision import VisionModel, load_vision_model, release_shapes
 
 DEFAULT_MODEL = "embedded"  # the trained model of `embedded_model_dir()` (its architecture: preset "embedded")
 _BYTE_VOCAB_MAX = 4096  # a byte tokenizer only fits byte-vocabulary models
+# The seeded random tower of models without a vision_config (the embedded default model): the
+# K3 processor's patch and merge sizes, a small width; `text_hidden_size` is the text model's.
+EMBEDDED_VISION = VisionConfig(patch_size=14, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                               qkv_hidden_size=64, num_hidden_layers=2, pos_emb_height=16, pos_emb_width=16,
+                               mm_hidden_size=64, text_hidden_size=128)
 
 
 def embedded_model_dir() -> Path:
@@ -43,6 +59,20 @@ class LoadedModel:
     source: str
     banner: str | None = None  # a line shown to users about the weights (random, or the embedded model)
     raw_completion: bool = False  # trained without chat data: complete raw text by default
+    vision: VisionModel | None = None  # the vision model, once loaded (`load_vision`)
+    vision_banner: str | None = None  # a line for users about the vision weights (random ones say so)
+    # Loads or builds the vision model on demand: (model, banner); None: this model has none.
+    vision_loader: Callable[[], tuple[VisionModel, str | None]] | None = dataclasses.field(default=None, repr=False)
+
+    def load_vision(self) -> VisionModel:
+        """The vision model, loaded (or, for the embedded model and presets, built with seeded
+        random weights) on first use; `ValueError` when the checkpoint has none."""
+        if self.vision is None:
+            if self.vision_loader is None:
+                raise ValueError(f"{self.source} has no vision tower (its config.json has no vision_config); "
+                                 "image inputs need a checkpoint with one")
+            self.vision, self.vision_banner = self.vision_loader()
+        return self.vision
 
 
 def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
@@ -66,18 +96,66 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
     return ByteTokenizer(vocab_size)
 
 
+def _checkpoint_vision(path: Path, cfg: ModelConfig, dtype: str | None):
+    def load():
+        tensors = load_vision(path) if is_orbax_checkpoint(path) else SafetensorsIndex(path)
+        return load_vision_model(tensors, cfg.vision, dtype=dtype or cfg.dtype), None
+    return load
+
+
+def random_vision_tensors(vcfg: VisionConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded random release-layout tensors of a tower + projector: norms 1, the position table
+    N(0, 1), every projection N(0, 1/fan_in) (the modules' own initialisation). Built with NumPy
+    and read by the release-name loader like a trained checkpoint's (no JAX initialisation to
+    compile: the embedded model's tower is ready in a fraction of a second)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in release_shapes(vcfg).items():
+        if len(shape) == 1:
+            out[name] = np.ones(shape, np.float32)
+        else:
+            fan_in = 1 if "pos_emb" in name else math.prod(shape[1:])
+            out[name] = rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(fan_in))
+    return out
+
+
+def _random_vision(cfg: ModelConfig, seed: int, what: str):
+    """Builds `cfg.vision` (or `EMBEDDED_VISION` at the text width) with seeded random weights."""
+    def build():
+        vcfg = cfg.vision or dataclasses.replace(EMBEDDED_VISION, text_hidden_size=cfg.hidden_size)
+        model = load_vision_model(random_vision_tensors(vcfg, seed), vcfg, dtype=cfg.dtype)
+        return model, (f"image inputs use a SEEDED RANDOM vision tower (seed {seed}; {what} has no trained one): "
+                       "the model cannot see what the image shows")
+    return build
+
+
 def load_model(ckpt: str | os.PathLike | None = None, *, config: str | None = None, seed: int = 0,
-               dtype: str | None = None, tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+               dtype: str | None = None, tokenizer: str | os.PathLike | None = None,
+               vision: bool | None = None) -> LoadedModel:
     """Load `ckpt` (safetensors or Orbax folder); without it, the preset `config` with seeded
     random weights (then `banner` says so), or with neither the embedded default model (float32
     unless `dtype` says otherwise). The tokenizer comes from `tokenizer` (a folder with
-    `tiktoken.model`), else from `ckpt`."""
+    `tiktoken.model`), else from `ckpt`.
+
+    vision: True loads the vision model now (a checkpoint must have one; the embedded model and
+    presets get seeded random weights, `vision_banner` says so); None loads a checkpoint's own
+    tower now, if it has one; False loads none now. `LoadedModel.load_vision()` loads it later."""
+    loaded = _load_text(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer)
+    trained = ckpt is not None and loaded.vision_loader is not None
+    if vision or (vision is None and trained):
+        loaded.load_vision()
+    return loaded
+
+
+def _load_text(ckpt, *, config, seed, dtype, tokenizer) -> LoadedModel:
     if ckpt is not None:
         path = Path(ckpt)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
         model = _load_orbax(path, dtype) if is_orbax_checkpoint(path) else load_hf_weights(path, dtype=dtype)
-        return LoadedModel(model, load_tokenizer(tokenizer or path, model.config.vocab_size), str(path))
+        cfg = model.config
+        return LoadedModel(model, load_tokenizer(tokenizer or path, cfg.vocab_size), str(path),
+                           vision_loader=_checkpoint_vision(path, cfg, dtype) if cfg.vision is not None else None)
     if config is None:
         path = embedded_model_dir()
         if not (path / "config.json").exists():
@@ -87,11 +165,13 @@ def load_model(ckpt: str | os.PathLike | None = None, *, config: str | None = No
         banner = (f"no --ckpt: the embedded default model ({DEFAULT_MODEL}: trained on Python standard "
                   "library sources, byte-level, no chat data)")
         return LoadedModel(model, load_tokenizer(tokenizer, model.config.vocab_size), f"embedded:{path}", banner,
-                           raw_completion=True)
+                           raw_completion=True,
+                           vision_loader=_random_vision(model.config, seed, "the embedded default model"))
     cfg = ModelConfig.preset(config)
     if dtype:
         cfg = cfg.replace(dtype=str(jnp.dtype(dtype)))
     model = K31ForCausalLM(cfg, rngs=nnx.Rngs(seed))
     banner = (f"--config {config}: SEEDED RANDOM weights (seed {seed}); its text is meaningless. "
               "Without --config, the trained embedded default model runs.")
-    return LoadedModel(model, load_tokenizer(tokenizer, cfg.vocab_size), f"preset:{config}", banner)
+    return LoadedModel(model, load_tokenizer(tokenizer, cfg.vocab_size), f"preset:{config}", banner,
+                       vision_loader=_random_vision(cfg, seed, f"--config {config}"))

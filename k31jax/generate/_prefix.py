@@ -9,6 +9,10 @@ in bytes; the least recently used snapshots go first.
 
 Lookup hashes the prompt's prefixes of each stored length only (few distinct lengths), then
 confirms the match token by token, so a hash collision can never resume the wrong state.
+
+Image prompts: the same token ids hold different states for different images, so a sequence
+is stored under `image_prefix_key` (each `<|media_pad|>` id replaced by its image's content
+hash and row); prompts without images are keyed by their ids as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ import threading
 from collections.abc import Sequence
 
 from ._slots import Snapshot
+
+
+def image_prefix_key(prompt: Sequence[int], pad_id: int | None, images: Sequence[tuple[str, int]]) -> tuple:
+    """The sequence a prompt's snapshots are stored under: its ids, with the k-th pad id of an
+    image prompt replaced by `(content hash, row)` of the image row it holds. `images`: each
+    image's (content hash, token count), in prompt order; empty: the ids as they are."""
+    if not images:
+        return tuple(prompt)
+    rows = iter([(digest, j) for digest, count in images for j in range(count)])
+    return tuple(next(rows, t) if t == pad_id else t for t in prompt)
 
 
 class PrefixCache:

@@ -37,6 +37,9 @@ class Request:
     parse            also stream structured events (reasoning / content / tool calls).
     chat_format      "k3" or "k2": grammar of the parser and the budget's markers.
     markup           "text" (default, the spec's rule) or "ids": see the module docstring.
+    images           `k31jax.vision.ProcessedImage`s in prompt order, one per media block of
+                     the prompt (`ImagePrompts.images`); their rows replace its
+                     `<|media_pad|>` embeddings in prefill. Needs an engine with a vision model.
     """
 
     prompt: Sequence[int]
@@ -48,6 +51,7 @@ class Request:
     parse: bool = False
     chat_format: str = "k3"
     markup: str = "text"
+    images: tuple = ()
 
     def __post_init__(self):
         if len(self.prompt) == 0:
@@ -60,6 +64,9 @@ class Request:
             raise ValueError(f"markup={self.markup!r} (must be 'text' or 'ids')")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "images", tuple(self.images))
+        if any(not (hasattr(im, "patches") and hasattr(im, "grid")) for im in self.images):
+            raise ValueError("images must be processed images (k31jax.vision.preprocess_image / ImagePrompts)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -5,8 +5,10 @@ batch-1 scratch cache, one chunk per loop turn between decode steps (all chunks 
 nothing is decoding), then inserted into a free slot. Each row keeps its own sampling
 parameters, seed and step counter, stop ids and strings, thinking budget, forced tool choice
 and parser (``RowController``), so a greedy request produces the same tokens alone or inside a
-busy batch. Every program has a fixed shape (``max_batch`` rows, one chunk width, one scratch
-length), so nothing recompiles after ``warmup``.
+busy batch. Every program has a fixed shape (``max_batch`` rows, prefill widths from one fixed
+set, one scratch length), so nothing recompiles after ``warmup``. Images: the vision model runs once per request when
+its prefill starts (its program compiles once per patch-count bucket, at the bucket's first image),
+and with a vision model every chunk runs the image prefill program, pads or not (``Engine.prefill_args``).
 
 Prefix reuse: at each prompt end and turn end the row's state is snapshotted into a
 ``PrefixCache``; a request whose prompt extends a stored sequence restores it and prefills only
@@ -15,11 +17,17 @@ the rest.
 Results go to a per-request ``sink`` (called on the scheduler thread): ``TokenEvent`` per
 generated token, then ``Finished`` or ``Failed``. ``Handle.cancel()`` (a client that went away)
 frees the row at the next step.
+
+Multi-host (``sync``, ``_multihost``): each loop turn acts on one ``TurnPlan`` (the requests
+admitted and the ids cancelled, read once); process 0 broadcasts it, the other processes run
+``follow()`` and apply it, so they all make the same decisions and launch the same programs.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import queue
@@ -27,13 +35,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from ._forcing import ToolChoiceForcer
-from ._prefix import PrefixCache
+from ._images import chunk_splice, image_digest
+from ._prefix import PrefixCache, image_prefix_key
 from ._requests import Completion, Request, RowController, StreamDelta
 from ._sampling import SamplingParams, sampler_arrays
-from ._slots import SlotPrograms
+from ._slots import SlotPrograms, to_host
 
 MAX_ALLOWED = 64  # widest tool-name branch constrained on device (wider ones sample freely)
 MAX_BANNED = 4
@@ -95,6 +105,13 @@ class Handle:
         self.cancelled = False
         self.submitted = time.perf_counter()
 
+    @classmethod
+    def mirror(cls, id_: int, request: Request, tool_choice: ToolChoice | None, logprobs: bool) -> "Handle":
+        """A follower's copy of process 0's handle ``id_`` (multi-host): same request, no client."""
+        h = cls(request, tool_choice, logprobs, sink=_discard)
+        h.id = id_
+        return h
+
     def cancel(self) -> None:
         self.cancelled = True
 
@@ -117,6 +134,22 @@ class Handle:
                 return stop.value
 
 
+def _discard(item: object) -> None:
+    """The sink of a follower's handle: its client is served by process 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnPlan:
+    """What process 0's scheduler broadcasts each loop turn (multi-host serving): the requests
+    it admitted, as ``(handle id, Request, ToolChoice | None, logprobs)``, and the ids it
+    cancelled; or a heartbeat while idle (``idle``); or the end (``stop``)."""
+
+    new: tuple[tuple, ...] = ()
+    cancelled: frozenset[int] = frozenset()
+    idle: bool = False
+    stop: bool = False
+
+
 @dataclasses.dataclass
 class _Row:
     handle: Handle
@@ -125,6 +158,7 @@ class _Row:
     prompt_tokens: int
     cached_tokens: int
     t_first: float
+    key: tuple = ()  # the prompt's prefix-cache key (`image_prefix_key`)
 
 
 @dataclasses.dataclass
@@ -135,25 +169,35 @@ class _Prefill:
     cached_tokens: int
     next_chunk: int = 0
     logits: object = None
+    key: tuple = ()  # the prompt's prefix-cache key (`image_prefix_key`)
+    image_rows: np.ndarray | None = None  # the request's projected image rows [M, D]
+    next_row: list = dataclasses.field(default_factory=lambda: [0])  # first image row not yet spliced
 
 
 def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     """Prefill calls for the uncached part of a prompt.
 
-    From scratch: left-padded to a multiple of ``chunk`` (padding before the first token is
-    exact: an identity KDA step with a zero conv input, as at the start of any sequence).
+    Every width comes from one fixed set, ``chunk`` and the powers of two below it, so each
+    compiles once (in ``Scheduler.warmup``).
+
+    From scratch: the tokens before the last whole chunks go first, left-padded to the
+    smallest width of the set that holds them (padding before the first token is exact: an
+    identity KDA step with a zero conv input, as at the start of any sequence), then whole
+    chunks: a 90-token prompt is one call of 128, not of 256.
     Resumed: no padding at all, since a zero conv input in the middle of a sequence would
-    change the convolution window; full chunks, then the remainder as descending powers of
-    two, so the widths come from a fixed set (``chunk`` and the powers of two below it).
+    change the convolution window; whole chunks, then the remainder as descending powers of two.
     """
     rest = np.asarray(rest, np.int32)
     if not resumed:
-        padded = -(-len(rest) // chunk) * chunk
+        head = len(rest) % chunk or chunk  # real tokens of the first call
+        first = chunk if head == chunk else min(chunk, 1 << (head - 1).bit_length())
+        padded = first - head + len(rest)
         tokens = np.zeros((padded,), np.int32)
         valid = np.zeros((padded,), bool)
-        tokens[padded - len(rest):] = rest
-        valid[padded - len(rest):] = True
-        return [(tokens[None, i:i + chunk], valid[None, i:i + chunk]) for i in range(0, padded, chunk)]
+        tokens[first - head:] = rest
+        valid[first - head:] = True
+        bounds = [0, *range(first, padded + 1, chunk)]
+        return [(tokens[None, a:b], valid[None, a:b]) for a, b in zip(bounds, bounds[1:])]
     widths = [chunk] * (len(rest) // chunk)
     left = len(rest) % chunk
     widths += [1 << b for b in range(left.bit_length() - 1, -1, -1) if left >> b & 1]
@@ -164,6 +208,12 @@ def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool) -> list[tuple[np
     return out
 
 
+def min_context(chunk: int, min_snapshot: int = 16) -> int:
+    """The smallest ``max_len`` a ``Scheduler`` can warm up in: the resumed prompt of
+    ``min_snapshot + chunk`` tokens and its two new tokens (``Scheduler.warmup``)."""
+    return min_snapshot + chunk + 2
+
+
 class Scheduler:
     """Continuous batching for one ``Engine`` (with a tokenizer).
 
@@ -172,23 +222,37 @@ class Scheduler:
     prefill_chunk       prefill call width (default: the engine's, at most 256).
     prefix_cache_bytes  bound of the session snapshot LRU (0 = off).
     min_snapshot        sequences shorter than this are not snapshotted.
+    sync                multi-host serving (``ProcessSync``): process 0 runs the loop and
+                        broadcasts each turn's plan; the other processes run ``follow()``.
     """
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, prefix_cache_bytes: int = 256 << 20,
-                 min_snapshot: int = 16):
+                 min_snapshot: int = 16, sync=None):
         if engine.tokenizer is None:
             raise ValueError("the scheduler needs an Engine built with a tokenizer")
-        if max_batch < 1 or max_queue < 1:
-            raise ValueError(f"max_batch={max_batch}, max_queue={max_queue}: both must be >= 1")
+        if max_batch < 1 or max_queue < 1 or min_snapshot < 1:
+            raise ValueError(f"max_batch={max_batch}, max_queue={max_queue}, min_snapshot={min_snapshot}: "
+                             "each must be >= 1")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.chunk = prefill_chunk or min(engine.prefill_chunk, 256)
+        self.min_snapshot = min_snapshot
+        need = min_context(self.chunk, min_snapshot)
+        if engine.max_len < need:
+            raise ValueError(f"the engine's max_len {engine.max_len} is below the scheduler's minimum {need} "
+                             f"(min_snapshot {min_snapshot} + prefill_chunk {self.chunk} + 2: the warm-up's "
+                             "resumed prompt and its two tokens)")
+        self._sync = sync
+        # The caller's sharding context, for the loop thread: jax keeps the mesh of
+        # `jax.set_mesh` per thread and k31jax's rule table is a context variable; programs
+        # traced without them would drop the model's sharding (and recompile).
+        self._mesh = jax.sharding.get_mesh()
+        self._context = contextvars.copy_context()
         self.max_len = engine.max_len
         self.programs = SlotPrograms(engine, max_batch, engine.max_len + self.chunk)
         self.prefix = PrefixCache(prefix_cache_bytes)
-        self.min_snapshot = min_snapshot
         self.vocab = engine.config.vocab_size
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -213,7 +277,13 @@ class Scheduler:
         self.host_tokens = np.zeros((b,), np.int32)
 
     def start(self) -> "Scheduler":
-        self._thread = threading.Thread(target=self._loop, name="k31jax-scheduler", daemon=True)
+        """Run the loop on a background thread, under the mesh and rules this scheduler was built in."""
+        def run():
+            with contextlib.nullcontext() if self._mesh.empty else jax.set_mesh(self._mesh):
+                self._loop()
+
+        self._thread = threading.Thread(target=self._context.run, args=(run,), name="k31jax-scheduler",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -224,20 +294,26 @@ class Scheduler:
             self._thread.join(timeout)
 
     def warmup(self) -> float:
-        """Compile every program (a prompt of two chunks, a decode step, a compaction, the
-        snapshots and a prefix-cache resume); returns compile seconds."""
+        """Compile every program: a fresh prompt, its snapshot, two prompts resumed from it
+        (their remainders of ``chunk - 1`` and ``chunk`` tokens take every width: ``chunk`` and
+        each power of two below it), decode steps, a turn-end snapshot and a compaction. Needs
+        ``min_context(chunk, min_snapshot)`` tokens of context. With ``sync``, every process
+        runs it alike, without broadcasting. Returns compile seconds."""
         before = self.programs.compile_seconds
-        prompt = [1] * (self.chunk + 3)
-        # then a prompt that extends the stored one by chunk + (chunk - 1) tokens: the resume
-        # path with every width (chunk and each power of two below it)
-        for n_new, more in ((3, self.chunk * 2 - 1), (2, 0)):
-            h = self.submit(Request(prompt, max_new_tokens=n_new, stop_ids=frozenset()))
-            self._run_until_idle()
-            h.result(timeout=0)
-            prompt = prompt + [2] * more
+        sync, self._sync = self._sync, None
+        try:
+            base = [1] * self.min_snapshot
+            # The first request makes one token, so no turn-end snapshot exists that a later
+            # prompt could extend instead of `base` (whatever the model generates).
+            for prompt, n_new in ((base, 1), (base + [2] * (self.chunk - 1), 2), (base + [3] * self.chunk, 2)):
+                h = self.submit(Request(prompt, max_new_tokens=n_new, stop_ids=frozenset()))
+                self._run_until_idle()
+                h.result(timeout=0)
+        finally:
+            self._sync = sync
         live = np.zeros((self.max_batch,), bool)
         self.cache = self.programs.compact(self.cache, live)
-        self.pos = int(self.cache.pos)
+        self.pos = int(to_host(self.cache.pos))
         self.prefix = PrefixCache(self.prefix.max_bytes)  # forget the warm-up's snapshots
         self.stats.clear()
         self.ttft_seconds.clear()
@@ -255,6 +331,7 @@ class Scheduler:
             raise ValueError(f"prompt token ids {bad[:10]} outside the vocabulary [0, {self.vocab})")
         if req.chat_format != "k3" and req.thinking_budget is not None:
             raise ValueError("the server's thinking budget supports the K3 format only")
+        self.engine.check_images(req)
 
     def submit(self, req: Request, *, tool_choice: ToolChoice | None = None, logprobs: bool = False,
                sink: Callable[[object], None] | None = None) -> Handle:
@@ -288,8 +365,29 @@ class Scheduler:
             if not busy and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                if self._sync is not None:  # a heartbeat: followers never wait long in a collective
+                    self._sync.exchange(TurnPlan(idle=True))
                 continue
             self._turn()
+        if self._sync is not None:
+            self._sync.exchange(TurnPlan(stop=True))
+
+    def follow(self) -> None:
+        """Multi-host serving, every process but 0: run process 0's turns (the requests it
+        admitted and cancelled, broadcast by ``sync``) until process 0 stops. Every device
+        program then runs on every process in the same order with the same inputs."""
+        if self._sync is None or self._sync.leader:
+            raise RuntimeError("follow() runs on the processes other than 0 of a Scheduler(sync=...)")
+        while True:
+            plan = self._sync.exchange(None)
+            if plan.stop:
+                return
+            if plan.idle:
+                continue
+            new = [Handle.mirror(*entry) for entry in plan.new]
+            with self._lock:
+                self._queued += len(new)
+            self._turn(new, plan.cancelled)
 
     def _run_until_idle(self) -> None:
         """Run loop turns on this thread until nothing is left (warmup, tests)."""
@@ -297,9 +395,29 @@ class Scheduler:
                or not self._inbox.empty()):
             self._turn()
 
-    def _turn(self) -> None:
+    def _plan(self) -> tuple[list[Handle], frozenset[int]]:
+        """This turn's new requests and cancellations, read once (a client may cancel at any
+        moment; the turn acts on this snapshot), and broadcast to the followers."""
+        new = []
+        while True:
+            try:
+                new.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        live = [*self._waiting, *new, *(r.handle for r in self.rows if r is not None)]
+        if self._prefill is not None:
+            live.append(self._prefill.handle)
+        cancelled = frozenset(h.id for h in live if h.cancelled)
+        if self._sync is not None:
+            self._sync.exchange(TurnPlan(new=tuple((h.id, h.request, h.tool_choice, h.logprobs) for h in new),
+                                         cancelled=cancelled))
+        return new, cancelled
+
+    def _turn(self, new: list[Handle] | None = None, cancelled: frozenset[int] = frozenset()) -> None:
+        if new is None:
+            new, cancelled = self._plan()
         try:
-            self._admit()
+            self._admit(new, cancelled)
             if self._prefill is not None:
                 decoding = any(r is not None for r in self.rows)
                 self._prefill_step(all_chunks=not decoding)
@@ -318,20 +436,16 @@ class Scheduler:
             h.sink(Failed(exc))
         self._reset_device_state()
 
-    def _admit(self) -> None:
-        while True:
-            try:
-                self._waiting.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        for h in [h for h in self._waiting if h.cancelled]:
+    def _admit(self, new: list[Handle], cancelled: frozenset[int]) -> None:
+        self._waiting.extend(new)
+        for h in [h for h in self._waiting if h.id in cancelled]:
             self._waiting.remove(h)
             self._dequeued()
         for i, r in enumerate(self.rows):
-            if r is not None and r.handle.cancelled:
+            if r is not None and r.handle.id in cancelled:
                 self.rows[i] = None
                 self.stats["cancelled"] += 1
-        if self._prefill is not None and self._prefill.handle.cancelled:
+        if self._prefill is not None and self._prefill.handle.id in cancelled:
             self._prefill = None
             self.stats["cancelled"] += 1
         if self._prefill is None and self._waiting and None in self.rows:
@@ -344,20 +458,29 @@ class Scheduler:
 
     # ---- prefill ------------------------------------------------------------------------
     def _start_prefill(self, h: Handle) -> None:
-        prompt = list(h.request.prompt)
-        snap = self.prefix.longest_prefix(prompt) if self.prefix.max_bytes else None
+        req = h.request
+        prompt = list(req.prompt)
+        pad_id = self.engine.media_pad_id
+        key = image_prefix_key(prompt, pad_id, [(image_digest(im), im.num_tokens) for im in req.images])
+        snap = self.prefix.longest_prefix(key) if self.prefix.max_bytes else None
         if snap is not None:
             scratch, cached = self.programs.restore(snap), len(snap.tokens)
         else:
             scratch, cached = self.programs.new_cache(1, self.programs.scratch_len), 0
         chunks = plan_chunks(prompt[cached:], self.chunk, resumed=cached > 0)
-        self._prefill = _Prefill(h, scratch, chunks, cached)
+        rows = self.engine.image_rows(req)  # the vision model, once per request
+        first_row = sum(t == pad_id for t in prompt[:cached]) if rows is not None else 0
+        self._prefill = _Prefill(h, scratch, chunks, cached, key=key, image_rows=rows, next_row=[first_row])
 
     def _prefill_step(self, all_chunks: bool) -> None:
         p = self._prefill
         while p.next_chunk < len(p.chunks):
             tokens, valid = p.chunks[p.next_chunk]
-            p.logits, p.scratch = self.programs.prefill_chunk(p.scratch, tokens, valid)
+            splice_ids = spliced = None
+            if p.image_rows is not None:  # the pads of this chunk take the request's next image rows
+                splice_ids = np.where(valid, tokens, -1)
+                spliced = chunk_splice(splice_ids, [p.image_rows], p.next_row, self.engine.media_pad_id)
+            p.logits, p.scratch = self.programs.prefill_chunk(p.scratch, tokens, valid, splice_ids, spliced)
             p.next_chunk += 1
             if not all_chunks:
                 break
@@ -376,36 +499,38 @@ class Scheduler:
             self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
             max_new_tokens=req.max_new_tokens)
         n = len(req.prompt)
-        if len(req.prompt) >= self.min_snapshot and self.prefix.max_bytes:
-            self.prefix.put(self.programs.snapshot(p.scratch, 0, req.prompt))
         force, allowed, banned = _constraints([(ctl, forcer)])
         arrays = sampler_arrays([req.params], [req.prompt], self.vocab)
         token, row_sampler, lp = self.programs.first(p.logits, arrays, int(force[0]), allowed[0], banned[0])
         self.pos = max(self.pos, n)
         self.cache = self.programs.insert(self.cache, p.scratch, slot, self.pos)
         self.sampler = self.programs.sampler_insert(self.sampler, row_sampler, slot)
-        row = _Row(h, ctl, forcer, n, p.cached_tokens, time.perf_counter())
+        tok = int(to_host(token)[0])
+        row = _Row(h, ctl, forcer, n, p.cached_tokens, time.perf_counter(), key=p.key)
         self.rows[slot] = row
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += n
         self.stats["cached_tokens"] += p.cached_tokens
         self.ttft_seconds.append(row.t_first - h.submitted)
-        tok = int(np.asarray(token)[0])
         self._push(slot, tok, lp, 0)
+        # The prompt's snapshot (the scratch is not donated to `insert`) is taken after the
+        # first token went out, so copying it to the host adds nothing to time to first token.
+        if n >= self.min_snapshot and self.prefix.max_bytes:
+            self.prefix.put(self.programs.snapshot(p.scratch, 0, p.key))
 
     # ---- decode -------------------------------------------------------------------------
     def _decode_step(self) -> None:
         live = np.asarray([r is not None for r in self.rows])
         if self.pos >= self.max_len:
             self.cache = self.programs.compact(self.cache, live)
-            self.pos = int(self.cache.pos)
+            self.pos = int(to_host(self.cache.pos))
             self.stats["compactions"] += 1
         force, allowed, banned = _constraints(
             [(r.ctl, r.forcer) if r is not None else (None, None) for r in self.rows])
         token, self.cache, self.sampler, lp = self.programs.decode(
             self.cache, self.host_tokens, self.sampler, force, allowed, banned)
         self.pos += 1
-        host = np.asarray(token)
+        host = to_host(token)
         self._token_times.append((time.perf_counter(), int(live.sum())))
         for slot, r in enumerate(self.rows):
             if r is not None:
@@ -419,7 +544,7 @@ class Scheduler:
             r.forcer.push(tok)
         logprob = None
         if r.handle.logprobs:
-            chosen, top_ids, top_lp = (np.asarray(a) for a in lp)
+            chosen, top_ids, top_lp = (to_host(a) for a in lp)
             logprob = TokenLogprob(float(chosen[lp_row]),
                                    tuple(zip(top_ids[lp_row].tolist(), top_lp[lp_row].tolist())))
         self.stats["generated_tokens"] += 1
@@ -431,7 +556,7 @@ class Scheduler:
         r = self.rows[slot]
         self.rows[slot] = None
         gen = r.ctl.tokens
-        fed = list(r.handle.request.prompt) + gen[:-1]  # the last id was never fed to the model
+        fed = list(r.key) + gen[:-1]  # the last id was never fed to the model
         if len(gen) > 1 and len(fed) >= self.min_snapshot and self.prefix.max_bytes:
             self.prefix.put(self.programs.snapshot(self.cache, slot, fed))
         now = time.perf_counter()

@@ -13,6 +13,10 @@ lets the model continue.
     for call in session.pending_tool_calls():
         session.add_tool_result(call["id"], run_tool(call))
     turn = session.send()                               # the answer after the tool results
+
+Images: user content may be a list of parts with OpenAI ``image_url`` / Anthropic ``image``
+parts (``add_user``); with a vision model on the engine, each turn renders them as media blocks
+and sends the processed images with the request (every turn re-reads the history's images).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..chat import ParsedMessage, ParseEvent, apply_chat_template
+from ..chat._media import IMAGE_PART_TYPES
 from ._engine import Engine, GenerationResult
 from ._requests import Completion, Request
 from ._sampling import SamplingParams
@@ -71,7 +76,8 @@ class ChatSession:
         self.last: TurnResult | None = None
 
     # ---- history ------------------------------------------------------------------------
-    def add_user(self, content: str) -> None:
+    def add_user(self, content: str | list[dict[str, Any]]) -> None:
+        """A user message: text, or a list of content parts (text and image parts)."""
         self.messages.append({"role": "user", "content": content})
 
     def add_tool_result(self, tool_call_id: str, content: Any, *, name: str | None = None) -> None:
@@ -105,12 +111,23 @@ class ChatSession:
         i = self._last_assistant_index()
         return [] if i is None else self.messages[i + 1:]
 
+    def _has_images(self) -> bool:
+        return any(isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
+                   for m in self.messages if isinstance(m.get("content"), list) for part in m["content"])
+
+    def prompt_and_images(self) -> tuple[list[int], tuple]:
+        """The rendered prompt of the next assistant turn and its processed images (in prompt
+        order; empty without image parts). Image parts need an engine with a vision model."""
+        media = self.engine.image_prompts() if self._has_images() else None
+        ids = apply_chat_template(self.engine.tokenizer, self.messages, self.tools,
+                                  thinking=self.thinking,
+                                  thinking_effort=self.effort if self.thinking else None,
+                                  tool_choice=self.tool_choice, media_prompt=media)
+        return ids, tuple(media.images) if media is not None else ()
+
     def prompt_ids(self) -> list[int]:
         """The rendered prompt of the next assistant turn."""
-        return apply_chat_template(self.engine.tokenizer, self.messages, self.tools,
-                                   thinking=self.thinking,
-                                   thinking_effort=self.effort if self.thinking else None,
-                                   tool_choice=self.tool_choice)
+        return self.prompt_and_images()[0]
 
     # ---- turns --------------------------------------------------------------------------
     def stream(self, content: str | None = None, **overrides) -> Iterator[ParseEvent]:
@@ -123,12 +140,13 @@ class ChatSession:
             self.add_user(content)
         elif not self.messages or self.messages[-1]["role"] == "assistant":
             raise ValueError("nothing to answer: pass user content or add tool results first")
+        prompt, images = self.prompt_and_images()
         req = Request(
-            self.prompt_ids(), overrides.get("params", self.params),
+            prompt, overrides.get("params", self.params),
             overrides.get("max_new_tokens", self.max_new_tokens), None,
             tuple(overrides.get("stop", self.stop)),
             overrides.get("thinking_budget", self.thinking_budget) if self.thinking else None,
-            parse=True, chat_format="k3")
+            parse=True, chat_format="k3", images=images)
         for delta in self.engine.stream([req]):
             yield from delta.events
         result = self.engine.last_result

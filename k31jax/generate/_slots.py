@@ -5,8 +5,9 @@ per-row ``key_valid``. The model has no positional encoding (KDA is recurrent, M
 a decode query attends to its own row's valid keys wherever they sit. That lets a request join
 between decode steps:
 
-- ``prefill_chunk``: the request's prompt is prefilled on a **batch-1 scratch** cache in fixed
-  chunks (left-padded so the prompt ends on a chunk boundary), interleaved with decode steps.
+- ``prefill_chunk``: the request's prompt is prefilled on a **batch-1 scratch** cache in calls of
+  fixed widths (``_scheduler.plan_chunks``), interleaved with decode steps.
+- ``restore``: a scratch cache from a host ``Snapshot`` (prefix reuse).
 - ``insert``: its KDA recurrent / conv state is copied into a free slot, and its valid MLA
   latent / rope-key / indexer-key rows are gathered to positions ``[pos - n, pos)`` of that
   slot (``pos`` first raised to ``n`` if it is smaller; the other rows then simply have a gap
@@ -32,13 +33,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from ..nn import Cache, init_cache
-from ._engine import _prefill_fn, _signature
+from ..nn import Cache, constrain_cache, init_cache
+from ..sharding import constrain
+from ._engine import _prefill_fn, _prefill_image_fn, _signature
 from ._sampling import make_sampler_state, sample_tokens
 
 MLA_FIELDS = ("mla_ckv", "mla_kpe", "index_keys")
 STATE_FIELDS = ("kda_state", "kda_conv")
+
+
+def to_host(x) -> np.ndarray:
+    """A device array's value on this host. An array sharded across processes (multi-host) is
+    gathered first: a collective, so every process reads the same arrays in the same order."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _program_key(tree) -> tuple:
+    """``_signature`` with each ``NamedSharding`` spelled one way: jit outputs write an unsplit
+    trailing axis as ``P(None)`` or leave it out (``P()``); a compiled program accepts either,
+    so both must find it rather than compile it again."""
+    treedef, leaves = _signature(tree)
+
+    def plain(sharding):
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding
+        spec = tuple(sharding.spec)
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        return sharding.mesh, spec, sharding.memory_kind
+
+    return treedef, tuple((shape, dtype, plain(sharding)) for shape, dtype, sharding in leaves)
 
 
 def _valid_first(valid: jax.Array) -> jax.Array:
@@ -71,13 +99,13 @@ def _first_fn(logits, arrays, force, allowed, banned):
     sampler = make_sampler_state(**arrays)
     sampler = dataclasses.replace(sampler, step=jnp.zeros(logits.shape[:1], jnp.int32))
     token, sampler = sample_tokens(_restrict(logits, allowed, banned), sampler, force)
-    return token, sampler, _logprobs(logits, token)
+    return token, _pin_sampler(sampler), _logprobs(logits, token)
 
 
 def _decode_fn(graphdef, backends, state, cache: Cache, token, sampler, force, allowed, banned):
     logits, cache = nnx.merge(graphdef, state)(token[:, None], cache, backends=backends)
     token, sampler = sample_tokens(_restrict(logits[:, 0], allowed, banned), sampler, force)
-    return token, cache, sampler, _logprobs(logits[:, 0], token)
+    return token, cache, _pin_sampler(sampler), _logprobs(logits[:, 0], token)
 
 
 def _insert_fn(cache: Cache, scratch: Cache, slot, pos) -> Cache:
@@ -99,8 +127,8 @@ def _insert_fn(cache: Cache, scratch: Cache, slot, pos) -> Cache:
         buf = getattr(cache, name)
         if buf is not None:
             out[name] = buf.at[:, slot].set(getattr(scratch, name)[:, 0])
-    return cache.replace(**out, key_valid=cache.key_valid.at[slot].set(ok),
-                         pos=jnp.asarray(pos, jnp.int32))
+    return constrain_cache(cache.replace(**out, key_valid=cache.key_valid.at[slot].set(ok),
+                                         pos=jnp.asarray(pos, jnp.int32)))
 
 
 def _compact_fn(cache: Cache, live) -> Cache:
@@ -114,7 +142,7 @@ def _compact_fn(cache: Cache, live) -> Cache:
         if buf is not None:
             moved = jnp.take_along_axis(buf, order[None, :, :, None], axis=2)
             out[name] = jnp.where(key_valid[None, :, :, None], moved, 0).astype(buf.dtype)
-    return cache.replace(**out, key_valid=key_valid, pos=jnp.max(counts).astype(jnp.int32))
+    return constrain_cache(cache.replace(**out, key_valid=key_valid, pos=jnp.max(counts).astype(jnp.int32)))
 
 
 def _extract_fn(cache: Cache, slot):
@@ -129,16 +157,29 @@ def _extract_fn(cache: Cache, slot):
 
 
 def _sampler_insert_fn(sampler, row, slot):
-    return jax.tree.map(lambda b, r: b.at[slot].set(r[0]), sampler, row)
+    return _pin_sampler(jax.tree.map(lambda b, r: b.at[slot].set(r[0]), sampler, row))
 
 
+# Every cache these programs return is pinned to the cache's logical sharding (a no-op without
+# a mesh), as the model's own prefill / decode outputs are: under a mesh a fresh, restored,
+# inserted or compacted cache then has the same signature as a prefilled one, so each program
+# compiles once, in warm-up, not again for a cache that came from elsewhere.
 def _init_cache_fn(config, batch: int, max_len: int) -> Cache:
-    return init_cache(config, batch, max_len)
+    return constrain_cache(init_cache(config, batch, max_len))
+
+
+def _restore_fn(fields: dict, key_valid, pos) -> Cache:
+    return constrain_cache(Cache(**fields, key_valid=key_valid, pos=pos))
 
 
 def _init_sampler_fn(arrays):
     s = make_sampler_state(**arrays)
-    return dataclasses.replace(s, step=jnp.zeros(arrays["temperature"].shape, jnp.int32))
+    return _pin_sampler(dataclasses.replace(s, step=jnp.zeros(arrays["temperature"].shape, jnp.int32)))
+
+
+def _pin_sampler(sampler):
+    """The sampler state's rows sharded like the cache's (``constrain_cache``, below)."""
+    return jax.tree.map(lambda x: constrain(x, "batch", *[None] * (x.ndim - 1)), sampler)
 
 
 # kind -> (jitted function, number of leading static arguments, donated argument indices)
@@ -146,11 +187,13 @@ _JITS = {
     "init_cache": (jax.jit(_init_cache_fn, static_argnums=(0, 1, 2)), 3),
     "init_sampler": (jax.jit(_init_sampler_fn), 0),
     "prefill_chunk": (jax.jit(_prefill_fn, static_argnums=(0, 1), donate_argnums=(3,)), 2),
+    "prefill_image": (jax.jit(_prefill_image_fn, static_argnums=(0, 1), donate_argnums=(3,)), 2),
     "first": (jax.jit(_first_fn), 0),
     "decode": (jax.jit(_decode_fn, static_argnums=(0, 1), donate_argnums=(3, 5)), 2),
     "insert": (jax.jit(_insert_fn, donate_argnums=(0,)), 0),
     "compact": (jax.jit(_compact_fn, donate_argnums=(0,)), 0),
     "extract": (jax.jit(_extract_fn), 0),
+    "restore": (jax.jit(_restore_fn), 0),
     "sampler_insert": (jax.jit(_sampler_insert_fn, donate_argnums=(0,)), 0),
 }
 
@@ -183,8 +226,8 @@ class SlotPrograms:
     def call(self, kind: str, *args):
         jitted, n_static = _JITS[kind]
         static, dyn = args[:n_static], args[n_static:]
-        uses_model = kind in ("prefill_chunk", "decode")
-        key = (kind, None if uses_model else static, _signature(dyn[1:] if uses_model else dyn))
+        uses_model = kind in ("prefill_chunk", "prefill_image", "decode")
+        key = (kind, None if uses_model else static, _program_key(dyn[1:] if uses_model else dyn))
         fn = self._programs.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -198,10 +241,14 @@ class SlotPrograms:
     def new_cache(self, batch: int, length: int) -> Cache:
         return self.call("init_cache", self.config, batch, length)
 
-    def prefill_chunk(self, scratch: Cache, tokens: np.ndarray, valid: np.ndarray):
+    def prefill_chunk(self, scratch: Cache, tokens: np.ndarray, valid: np.ndarray,
+                      splice_ids: np.ndarray | None = None, spliced: np.ndarray | None = None):
+        """One prefill call; with the engine's vision model, always the image program
+        (`Engine.prefill_args`: `spliced` rows at the pad positions of `splice_ids`, or none)."""
         e = self.engine
-        return self.call("prefill_chunk", e.graphdef, e.backends, e.state, scratch,
-                         jnp.asarray(tokens), jnp.asarray(valid))
+        kind, data = e.prefill_args(tokens, valid, splice_ids, spliced)
+        return self.call("prefill_chunk" if kind == "prefill" else kind, e.graphdef, e.backends, e.state, scratch,
+                         *data)
 
     def first(self, logits, arrays, force: int, allowed: np.ndarray, banned: np.ndarray):
         return self.call("first", logits, arrays, np.asarray([force], np.int32), allowed[None], banned[None])
@@ -219,12 +266,12 @@ class SlotPrograms:
 
     def snapshot(self, cache, slot: int, tokens) -> Snapshot:
         arrays, n = self.call("extract", cache, np.int32(slot))
-        n = int(n)
+        n = int(to_host(n))
         if n != len(tokens):
             raise AssertionError(f"cache row holds {n} keys but {len(tokens)} tokens were fed")
         host = {}
         for name, a in arrays.items():
-            a = np.asarray(a)
+            a = to_host(a)
             host[name] = a[:, :n] if name in MLA_FIELDS else a
         return Snapshot(tuple(tokens), host)
 
@@ -239,12 +286,12 @@ class SlotPrograms:
             elif name in MLA_FIELDS:
                 full = np.zeros((a.shape[0], 1, s2) + a.shape[2:], a.dtype)
                 full[:, 0, :n] = a
-                fields[name] = jnp.asarray(full)
+                fields[name] = full
             else:
-                fields[name] = jnp.asarray(a[:, None])
+                fields[name] = a[:, None]
         valid = np.zeros((1, s2), bool)
         valid[0, :n] = True
-        return Cache(**fields, key_valid=jnp.asarray(valid), pos=jnp.asarray(n, jnp.int32))
+        return self.call("restore", fields, valid, np.int32(n))
 
     def init_sampler(self, arrays):
         return self.call("init_sampler", arrays)

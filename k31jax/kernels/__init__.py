@@ -15,5 +15,6 @@ padding, launch, unpadding; `impl` is "pallas" or "interpret"). This layer sits 
 """
 
 from . import kda_chunk, mxfp4_matmul, sparse_mla
+from ._common import lowering_only
 
-__all__ = ["kda_chunk", "mxfp4_matmul", "sparse_mla"]
+__all__ = ["kda_chunk", "lowering_only", "mxfp4_matmul", "sparse_mla"]

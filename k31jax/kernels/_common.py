@@ -10,6 +10,7 @@ the wrappers pad small head/latent widths with zeros (exact for every op here).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,13 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
     _TritonParams = None
 
 KERNEL_IMPLS = ("pallas", "interpret")
+# set inside `abstract_gpu`: programs are lowered for a GPU this host does not have, never compiled
+_LOWERING_ONLY = contextvars.ContextVar("k31jax_kernel_lowering_only", default=False)
+
+
+def lowering_only() -> bool:
+    """True inside `abstract_gpu` (kernels are lowered for CUDA on a host without a GPU)."""
+    return _LOWERING_ONLY.get()
 
 
 def call(kernel, *, out_shape, grid, impl: str, num_warps: int = 4, num_stages: int = 2,
@@ -85,8 +93,12 @@ def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132):
         ctx = jax.sharding.use_abstract_mesh(mesh)
     except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - older jax
         raise NotImplementedError(f"abstract GPU lowering unavailable on jax {jax.__version__}: {e}")
-    with ctx:
-        yield
+    token = _LOWERING_ONLY.set(True)
+    try:
+        with ctx:
+            yield
+    finally:
+        _LOWERING_ONLY.reset(token)
 
 
 def lower_for_gpu(fn, *args) -> str:

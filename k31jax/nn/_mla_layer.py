@@ -76,6 +76,23 @@ class MLAMixer(nnx.Module):
         c_kv = _norms.rms_norm(kv[..., :self.r], self.kv_a_norm[...], _LATENT_EPS)
         return c_q, c_kv, kv[..., self.r:]
 
+    def queries(self, x, c_q):
+        """Per-head queries `(q_nope [B, T, H, dn], q_pe [B, T, H, dr])` from x or the q-latent."""
+        b, t, _ = x.shape
+        q = (c_q @ self.q_b_proj[...] if self.use_q_lora else x @ self.q_proj[...]).reshape(
+            b, t, self.num_heads, self.dn + self.dr)
+        return q[..., :self.dn], q[..., self.dn:]
+
+    def dense_heads(self, x):
+        """The naive (MHA) form's inputs for x `[B, T, D]` attending among itself (no cache):
+        `(c_q, q_nope, q_pe, k_nope [B, T, H, dn], k_pe [B, T, dr])`. Indexer distillation
+        reads the dense attention distribution from them (`ops.mla_attention_logits`)."""
+        b, t, _ = x.shape
+        c_q, c_kv, k_pe = self.latents(x)
+        q_nope, q_pe = self.queries(x, c_q)
+        k_nope = (c_kv @ self.kv_b_proj[...]).reshape(b, t, self.num_heads, self.dn + self.dv)[..., :self.dn]
+        return c_q, q_nope, q_pe, k_nope, k_pe
+
     def _split_kv_b(self):
         w = self.kv_b_proj[...].reshape(self.r, self.num_heads, self.dn + self.dv)
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
@@ -100,10 +117,9 @@ class MLAMixer(nnx.Module):
         backends = backends or Backends()
         sparse_impl = backends.sparse
         b, t, _ = x.shape
-        h, dn, dr = self.num_heads, self.dn, self.dr
+        h, dn = self.num_heads, self.dn
         c_q, c_kv, k_pe = self.latents(x)
-        q = (c_q @ self.q_b_proj[...] if self.use_q_lora else x @ self.q_proj[...]).reshape(b, t, h, dn + dr)
-        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        q_nope, q_pe = self.queries(x, c_q)
         idx_k = self.indexer.keys(x).astype(x.dtype) if self.indexer is not None else None
         if c_kv_cache is None:
             keys_ckv, keys_kpe, keys_idx = c_kv, k_pe, idx_k

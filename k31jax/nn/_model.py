@@ -284,8 +284,10 @@ def _run_layers(call: _Call, carry, states: dict, *, scan_layers: bool, remat: s
         # that indexes a closed-over stack instead adds a full-stack gradient per step); the
         # sliced copy costs nothing extra there, since the backward pass keeps every layer's
         # weights anyway. Under remat, indexed from the closed-over stacks: the scan inputs
-        # would be a copy of the weights kept through the backward pass.
-        by_slices = remat == "none"
+        # would be a copy of the weights kept through the backward pass. With a cache
+        # (inference), indexed too: a slice of a stack that feeds the scan is materialised, a
+        # copy of the weights in every call (at decode it tripled the bytes read per step).
+        by_slices = remat == "none" and carry[3] is None
         first_row = {}  # kind -> (its stack row of the first scanned layer of that kind, rows per group)
         for kind in {k for pair in group_kinds for k in pair}:
             mine = [i for i in layer_ids if kind in kinds(i)]
@@ -349,6 +351,10 @@ class K31ForCausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
         return init_cache(self.config, batch, max_len, dtype)
 
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The token embeddings `[B, T, D]` in the activation dtype (what `embeds` replaces)."""
+        return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.config.dtype))
+
     def hidden_states(
         self,
         tokens: jax.Array,
@@ -360,9 +366,14 @@ class K31ForCausalLM(nnx.Module):
         scan_layers: bool = True,
         remat: str = "none",
         collect: tuple[str, ...] = (),
+        embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None, dict[str, Any]]:
         """`tokens [B, T]` -> (final normalised hidden states `[B, T, D]`, cache, per-layer
         intermediates named in `collect` (see `INTERMEDIATES`), stacked on a leading layer axis).
+
+        embeds `[B, T, D]`, if given, is the layer stack's input instead of `embed_tokens(tokens)`
+        (image prompts: the token embeddings with projected image rows spliced in; AttnRes
+        snapshot 0 is then this mixed embedding, vision.md §3).
 
         valid `[B, T]` marks real tokens (False for left padding); padded positions change no
         other token's result. segment_ids `[B, T]` (training, no cache) marks the documents
@@ -380,7 +391,12 @@ class K31ForCausalLM(nnx.Module):
             raise ValueError("segment_ids (packed training rows) cannot continue a cache")
         b, t = tokens.shape
         act = jnp.dtype(cfg.dtype)
-        x0 = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(act), "batch", "seq", "act_embed")
+        if embeds is None:
+            embeds = self.embed_tokens(tokens)
+        elif embeds.shape != (b, t, cfg.hidden_size):
+            raise ValueError(f"embeds {tuple(embeds.shape)} do not match tokens {(b, t)}: expected "
+                             f"[B, T, hidden_size={cfg.hidden_size}]")
+        x0 = constrain(embeds.astype(act), "batch", "seq", "act_embed")
         new_valid = jnp.ones((b, t), bool) if valid is None else valid
         if cache is not None:
             pos = cache.pos
@@ -423,6 +439,7 @@ class K31ForCausalLM(nnx.Module):
         backends: Backends | None = None,
         scan_layers: bool = True,
         return_intermediates: bool = False,
+        embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache | None] | tuple[jax.Array, Cache | None, dict[str, Any]]:
         """Run `tokens [B, T]`, continuing `cache` when given -> (logits, cache).
 
@@ -432,7 +449,8 @@ class K31ForCausalLM(nnx.Module):
         """
         collect = INTERMEDIATES if return_intermediates else ()
         hidden, cache, per_layer = self.hidden_states(tokens, cache, valid=valid, segment_ids=segment_ids,
-                                                      backends=backends, scan_layers=scan_layers, collect=collect)
+                                                      backends=backends, scan_layers=scan_layers, collect=collect,
+                                                      embeds=embeds)
         logits = self.logits(hidden)
         if return_intermediates:
             return logits, cache, dict(per_layer, final_hidden=hidden)

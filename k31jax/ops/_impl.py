@@ -19,14 +19,23 @@ XLA paths without code changes. Nothing else reads that variable.
 The kernels have no backward pass of their own: `with_reference_grad` gives a kernel the
 gradient of the XLA path (recomputed in the backward pass), so training through `impl="pallas"`
 differentiates exactly like the reference.
+
+`kernel_or_reference` is how the ops call a kernel: under "pallas" it first compiles the kernel
+alone for the arguments' shapes (once per kernel, static settings and shapes); if that fails on
+this backend and jax version, the op runs its XLA path and one warning names the kernel and
+the error, so an opted-in kernel never crashes a program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 
 import jax
+
+from ..kernels import lowering_only
 
 IMPLS = ("xla", "pallas", "interpret")
 KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
@@ -119,4 +128,50 @@ def with_reference_grad(kernel, reference):
         return jax.vjp(reference, *args)[1](cotangent)
 
     run.defvjp(fwd, bwd)
+    return run
+
+
+# (kernel, static settings, argument shapes) -> whether the kernel compiled; kernels warned about
+_COMPILES: dict[tuple, bool] = {}
+_WARNED: set[str] = set()
+
+
+def _static_key(fn) -> tuple:
+    if isinstance(fn, functools.partial):
+        return (fn.func, fn.args, tuple(sorted(fn.keywords.items())))
+    return (fn,)
+
+
+def _kernel_compiles(name: str, kernel, args: tuple) -> bool:
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    leaves, treedef = jax.tree.flatten(avals)
+    key = (name, _static_key(kernel), treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
+    if key not in _COMPILES:
+        try:
+            jax.jit(kernel).lower(*avals).compile()
+            _COMPILES[key] = True
+        except Exception as e:  # noqa: BLE001 - Triton, Mosaic and XLA each raise their own types
+            _COMPILES[key] = False
+            if name not in _WARNED:
+                _WARNED.add(name)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                warnings.warn(f"k31jax: the Pallas kernel {name!r} failed to compile on {jax.default_backend()} "
+                              f"(jax {jax.__version__}): {type(e).__name__}: {first}; running its XLA path "
+                              "instead", RuntimeWarning, stacklevel=3)
+    return _COMPILES[key]
+
+
+def kernel_or_reference(name: str, impl: str, kernel, reference, *, grad: bool = True):
+    """The callable an op runs for `impl` ("pallas" / "interpret"): `kernel` differentiated as
+    `reference` (`grad=False`: `kernel` as is, for discrete outputs), or under "pallas", when
+    the kernel does not compile for these arguments here, `reference` itself (one warning per
+    kernel). Programs lowered inside `kernels._common.abstract_gpu` are never compiled, so there
+    the kernel is always taken."""
+    run_kernel = with_reference_grad(kernel, reference) if grad else kernel
+    if impl != "pallas" or lowering_only():
+        return run_kernel
+
+    def run(*args):
+        return run_kernel(*args) if _kernel_compiles(name, kernel, args) else reference(*args)
+
     return run

@@ -3,12 +3,14 @@
 All index math is fp32. Scores only rank keys; they never enter a softmax at inference.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import sparse_mla
-from ._impl import resolve_impl
+from ._impl import kernel_or_reference, resolve_impl
 from ._mla import key_document_ids, same_document
 from ._norms import layer_norm
 
@@ -78,7 +80,9 @@ def select_topk(
         impl = "xla"
     if impl != "xla":
         q, w, k = jax.lax.stop_gradient((q, w, k))
-        return sparse_mla.select_topk(q, w, k, q_pos, key_valid, top_k, key_block, impl=impl)
+        return kernel_or_reference(
+            "indexer_topk", impl, functools.partial(sparse_mla.select_topk, top_k=top_k, key_block=key_block, impl=impl),
+            functools.partial(select_topk, top_k=top_k, key_block=key_block, impl="xla"), grad=False)(q, w, k, q_pos, key_valid)
     s_len = k.shape[1]
     kk = min(top_k, s_len)
 

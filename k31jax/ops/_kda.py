@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import kda_chunk
-from ._impl import resolve_impl, with_reference_grad
+from ._impl import kernel_or_reference, resolve_impl
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -143,7 +143,7 @@ def kda_recurrent(
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":
-        return with_reference_grad(functools.partial(kda_chunk.kda_recurrent, impl=impl),
+        return kernel_or_reference("kda_step", impl, functools.partial(kda_chunk.kda_recurrent, impl=impl),
                                    functools.partial(kda_recurrent, impl="xla"))(q, k, v, g, beta, initial_state)
     b, _, h, dk = q.shape
     dv = v.shape[-1]
@@ -209,8 +209,8 @@ def kda_chunked(
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":
-        return with_reference_grad(
-            functools.partial(kda_chunk.kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
+        return kernel_or_reference(
+            "kda_chunk", impl, functools.partial(kda_chunk.kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
             functools.partial(kda_chunked, chunk_size=chunk_size, impl="xla"))(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import sparse_mla
-from ._impl import resolve_impl, with_reference_grad
+from ._impl import kernel_or_reference, resolve_impl
 from ._kda import check_segment_ids
 
 _HI = jax.lax.Precision.HIGHEST
@@ -71,11 +71,23 @@ def mla_attention(
         kv = key_document_ids(segment_ids, kv_segment_ids, q_nope.shape[:2], k_pe.shape[1], "mla_attention")
         mask = mask & same_document(segment_ids, kv)
         return _zero_padding_queries(mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale), segment_ids)
+    p = _masked_softmax(mla_attention_logits(q_nope, q_pe, k_nope, k_pe, scale), mask[:, None])
+    return jnp.einsum("bhts,bshd->bthd", p, v.astype(jnp.float32), precision=_HI)
+
+
+def mla_attention_logits(
+    q_nope: Float[Array, "B T H dn"],
+    q_pe: Float[Array, "B T H dr"],
+    k_nope: Float[Array, "B S H dn"],
+    k_pe: Float[Array, "B S dr"],
+    scale: float,
+) -> Float[Array, "B H T S"]:
+    """The naive form's fp32 logits `(q_nope·k_nope + q_pe·k_pe)·scale` per head, unmasked:
+    what `mla_attention` softmaxes, and where indexer distillation reads the dense attention
+    distribution (`k31jax.train.indexer_distill_terms`)."""
     f32 = jnp.float32
-    logits = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=f32)
-              + jnp.einsum("bthd,bsd->bhts", q_pe, k_pe, preferred_element_type=f32)) * scale
-    p = _masked_softmax(logits, mask[:, None])
-    return jnp.einsum("bhts,bshd->bthd", p, v.astype(f32), precision=_HI)
+    return (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=f32)
+            + jnp.einsum("bthd,bsd->bhts", q_pe, k_pe, preferred_element_type=f32)) * scale
 
 
 def absorb_query(q_nope: Float[Array, "B T H dn"], w_uk: Float[Array, "r H dn"]) -> Float[Array, "B T H r"]:
@@ -149,7 +161,8 @@ def mla_attention_sparse(
             segment_ids)
     impl = resolve_impl(impl, "sparse_mla")
     if impl != "xla":
-        return with_reference_grad(functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=impl),
+        return kernel_or_reference("sparse_mla", impl,
+                                   functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=impl),
                                    functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid)
     f32 = jnp.float32

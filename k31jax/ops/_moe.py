@@ -18,7 +18,7 @@ from ..kernels import mxfp4_matmul
 from ..quant import fake_quant as fake_quant_weight
 from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
-from ._impl import resolve_impl, with_reference_grad
+from ._impl import kernel_or_reference, resolve_impl
 
 
 ExpertWeight = Array | MXFP4Weight
@@ -73,7 +73,7 @@ def grouped_matmul(
     """
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
-        return with_reference_grad(functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
+        return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
                                    functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
@@ -191,8 +191,8 @@ def routed_experts(
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
         if isinstance(w_gate, MXFP4Weight) and isinstance(w_up, MXFP4Weight):
-            g, u = with_reference_grad(
-                functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=impl),
+            g, u = kernel_or_reference(
+                "mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=impl),
                 lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
                 xs, w_gate, w_up, sizes)
         else:

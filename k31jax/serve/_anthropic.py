@@ -5,7 +5,8 @@ History conversion (chat_format.md §6): an assistant turn's ``thinking`` blocks
 ``reasoning_content`` (first), ``text`` blocks its content and ``tool_use`` blocks its tool
 calls; a user turn's ``tool_result`` blocks become tool messages, in order, before its text.
 Effort: ``output_config.effort`` (low / high / max); ``thinking: {"type": "disabled"}`` turns
-thinking off and ``{"type": "enabled", "budget_tokens": N}`` caps it at N tokens.
+thinking off and ``{"type": "enabled", "budget_tokens": N}`` caps it at N tokens. User
+``image`` blocks (``source.type: base64``) go to the prompt as they are (``_protocol.RequestImages``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 from ..chat import ParsedMessage
 from ..generate import Request
-from ._protocol import (GenSpec, check_context, effort_settings, get, in_range, invalid, render_prompt,
-                        sampling, stop_list, tool_choice_spec)
+from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, get, in_range, invalid,
+                        render_prompt, sampling, stop_list, tool_choice_spec)
 
 STOP_REASON = {"length": "max_tokens"}
 
@@ -57,7 +58,7 @@ def _user(m: Mapping[str, Any], i: int) -> list[dict[str, Any]]:
         elif kind == "text" and isinstance(b.get("text"), str):
             parts.append({"type": "text", "text": b["text"]})
         elif kind == "image":
-            parts.append({"type": "image"})
+            parts.append(dict(b))  # read (or refused, naming the field) when the prompt renders
         else:
             raise invalid(f"{where}: unsupported user content block type {kind!r}", where)
     return tools + ([{"role": "user", "content": parts}] if parts else [])
@@ -146,7 +147,7 @@ def _tool_choice(body) -> Any:
     raise invalid(f"tool_choice.type must be auto, any, tool or none; got {kind!r}", "tool_choice.type")
 
 
-def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec:
+def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None) -> GenSpec:
     messages = to_openai_messages(body)
     max_tokens = get(body, "max_tokens", int, required=True)
     in_range("max_tokens", max_tokens, 1, 1 << 30)
@@ -169,15 +170,16 @@ def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec:
     in_range("top_k", top_k, 0, 1 << 30)
     stop = stop_list(body.get("stop_sequences"), "stop_sequences", 16)
     get(body, "stream", bool)
+    images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                           tool_choice=template_choice)
+                           tool_choice=template_choice, images=images)
     max_tokens = check_context(len(prompt), max_tokens, max_len, "max_tokens")
     req = Request(prompt, sampling(temperature, top_p, top_k, get(body, "seed", int)), max_tokens, None,
-                  stop, budget, parse=True, chat_format="k3", markup="ids")
+                  stop, budget, parse=True, chat_format="k3", markup="ids", images=tuple(images.images))
     return GenSpec(req, forced, forced is not None and forced.mode == "none", False, 0)
 
 
-def count_tokens(body: Mapping[str, Any], tokenizer) -> int:
+def count_tokens(body: Mapping[str, Any], tokenizer, *, image_dir: str | None = None) -> int:
     messages = to_openai_messages(body)
     tools = _tools(body)
     thinking_cfg = get(body, "thinking", dict, {})
@@ -188,7 +190,7 @@ def count_tokens(body: Mapping[str, Any], tokenizer) -> int:
         thinking, effort = effort_settings(effort, "output_config.effort")
     template_choice, _ = tool_choice_spec(_tool_choice(body), tools, "tool_choice")
     return len(render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                             tool_choice=template_choice))
+                             tool_choice=template_choice, images=RequestImages(image_dir)))
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
+    image_dir: str | None = None  # local image files are read only below this folder (None: none)
 
 
 def _is_anthropic(path: str) -> bool:
@@ -155,7 +156,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_of(request)
-        spec = oai.chat_spec(body, tok, max_len)
+        spec = oai.chat_spec(body, tok, max_len, image_dir=settings.image_dir)
         handle, out = submit(spec)
         rid, created, model = oai.new_id("chatcmpl"), oai.now(), settings.model_name
         if body.get("stream"):
@@ -226,7 +227,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = await body_of(request)
-        spec = anth.messages_spec(body, tok, max_len)
+        spec = anth.messages_spec(body, tok, max_len, image_dir=settings.image_dir)
         handle, out = submit(spec)
         mid, model = anth.new_id(), settings.model_name
         if body.get("stream"):
@@ -261,7 +262,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         body = await body_of(request)
-        return {"input_tokens": anth.count_tokens(body, tok)}
+        return {"input_tokens": anth.count_tokens(body, tok, image_dir=settings.image_dir)}
 
     return app
 

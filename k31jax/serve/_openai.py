@@ -3,7 +3,7 @@
 Reasoning travels as ``reasoning_content`` (message and stream delta) and is accepted back in
 requests; tool calls carry server-minted ``call_<24 hex>`` ids. Extension fields (ignored by
 OpenAI clients unless set via ``extra_body``): ``top_k``, ``thinking_budget`` (a hard cap on
-reasoning tokens).
+reasoning tokens). User content may hold ``image_url`` parts (``_protocol.RequestImages``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 from ..chat import ParsedMessage
 from ..generate import Request
-from ._protocol import (GenSpec, check_context, effort_settings, function_tools, get, in_range, invalid,
-                        render_prompt, sampling, stop_list, tool_choice_spec)
+from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, function_tools, get, in_range,
+                        invalid, render_prompt, sampling, stop_list, tool_choice_spec)
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -47,7 +47,8 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec:
+def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None) -> GenSpec:
+    """A chat completion request; local image files are read only below `image_dir`."""
     _n_is_one(body)
     messages = _messages(body)
     tools = function_tools(body.get("tools"), "tools")
@@ -74,11 +75,13 @@ def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec:
     get(body, "stream", bool)
     stream_options = get(body, "stream_options", dict, {})
     get(stream_options, "include_usage", bool, where="stream_options.")
+    images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                           tool_choice=template_choice)
+                           tool_choice=template_choice, images=images)
     max_tokens = check_context(len(prompt), max_tokens, max_len, param)
     req = Request(prompt, sampling(temperature, top_p, top_k, seed), max_tokens, None, stop,
-                  budget if thinking else None, parse=True, chat_format="k3", markup="ids")
+                  budget if thinking else None, parse=True, chat_format="k3", markup="ids",
+                  images=tuple(images.images))
     return GenSpec(req, forced, forced is not None and forced.mode == "none", logprobs, top_logprobs)
 
 

@@ -2,18 +2,27 @@
 
 Validation is written out here (not pydantic models) so that every error names the field and
 what was expected in the API's own words, and unknown fields are ignored, as both APIs do.
+
+Images (OpenAI ``image_url`` parts, Anthropic ``image`` blocks) are read while the prompt is
+rendered (`RequestImages`): data: URLs and base64 always; local paths and file:// URLs only
+below the server's ``image_dir`` (a client must not read the server's other files); remote
+URLs never. The processed images travel with the ``Request``; a model without a vision tower
+answers 400.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import urllib.parse
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from ..chat import ChatTemplateError, apply_chat_template
+from ..chat import ChatTemplateError, MediaPartError, apply_chat_template
 from ..chat._render import resolve_reasoning_effort
 from ..generate import Request, SamplingParams, ToolChoice
+from ..vision import ImagePrompts
 
 
 class APIError(Exception):
@@ -128,11 +137,45 @@ def tool_choice_spec(choice: Any, tools: Sequence[Mapping[str, Any]] | None, par
     raise invalid(f"'{param}' must be 'auto', 'none', 'required' or a named function", param)
 
 
+def _local_path(part: Mapping[str, Any]) -> str | None:
+    """The file an image part names (a path or a file:// URL), or None (data: / remote URLs,
+    base64 blocks: `image_part_bytes` reads or refuses those itself)."""
+    ref = part.get("image_url") if part.get("type") == "image_url" else None
+    url = ref.get("url") if isinstance(ref, Mapping) else ref
+    if not isinstance(url, str) or not url or url.startswith("data:"):
+        return None
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        return urllib.parse.unquote(parsed.path)
+    return url if not parsed.scheme or len(parsed.scheme) == 1 else None
+
+
+class RequestImages(ImagePrompts):
+    """The image parts of one API request (a `media_prompt`); files only below `image_dir`."""
+
+    def __init__(self, image_dir: str | None = None):
+        super().__init__(base_dir=image_dir)
+        self.image_dir = None if image_dir is None else Path(image_dir).resolve()
+
+    def __call__(self, part: Mapping[str, Any]) -> str:
+        path = _local_path(part)
+        if path is not None:
+            if self.image_dir is None:
+                raise MediaPartError("this server reads no local image files (start it with --image-dir DIR to "
+                                     "allow files below DIR); send the image as a data: URL")
+            if not (self.image_dir / path).resolve().is_relative_to(self.image_dir):
+                raise MediaPartError(f"{path} is outside the server's image directory")
+        return super().__call__(part)
+
+
 def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | None,
-                  tool_choice: Any) -> list[int]:
+                  tool_choice: Any, images: ImagePrompts | None = None) -> list[int]:
+    """The prompt's ids; `images` (a `RequestImages`) reads the image parts, which then render
+    as media blocks and are kept in `images.images`."""
     try:
         return apply_chat_template(tokenizer, messages, tools or None, thinking=thinking,
-                                   thinking_effort=effort if thinking else None, tool_choice=tool_choice)
+                                   thinking_effort=effort if thinking else None, tool_choice=tool_choice,
+                                   media_prompt=images)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
     except (TypeError, AttributeError, KeyError) as e:

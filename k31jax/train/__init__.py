@@ -1,6 +1,8 @@
 """QAT fine-tuning: data (packed rows, assistant-only chat loss), the streamed cross entropy,
 AdamW / Muon with trainable subsets and LoRA, MoE load balancing, sharded jitted steps, Orbax
-checkpoints with bit-exact resume, metrics, held-out bits per byte and the MXFP4 export.
+checkpoints with bit-exact resume, metrics, held-out bits per byte and the MXFP4 export; and
+DeepSeek-V3.2-style indexer distillation with its top-k recall (`TrainConfig.distill_indexer`,
+`indexer_recall`).
 
     cfg = TrainConfig(out="runs/a", data=DataConfig(paths=("corpus/",), seq_len=256, batch_size=8),
                       optim=OptimConfig(learning_rate=3e-4, warmup_steps=20, total_steps=200), steps=200,
@@ -11,6 +13,7 @@ checkpoints with bit-exact resume, metrics, held-out bits per byte and the MXFP4
 from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics, sequence_balance_loss
 from ._config import TrainConfig
 from ._data import DataConfig, heldout_bytes, load_documents, make_dataset
+from ._distill import RecallResult, indexer_distill_terms, indexer_kl, indexer_recall, topk_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
 from ._metrics import plot_metrics, read_metrics
@@ -18,9 +21,10 @@ from ._optim import OptimConfig, decay_mask, make_optimizer, param_labels
 from ._trainer import EvalResult, Trainer, TrainResult, evaluate, load_any, load_run, train
 
 __all__ = [
-    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "DataConfig", "EvalResult", "LoraState", "OptimConfig", "SignBiasUpdate",
-    "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte", "chunked_cross_entropy", "decay_mask",
-    "evaluate", "expert_load", "full_cross_entropy", "heldout_bytes", "init_lora", "load_any", "load_documents",
-    "load_metrics", "load_run", "make_dataset", "make_optimizer", "param_labels", "plot_metrics", "read_metrics",
-    "sequence_balance_loss", "train",
+    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "DataConfig", "EvalResult", "LoraState", "OptimConfig", "RecallResult",
+    "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte", "chunked_cross_entropy",
+    "decay_mask", "evaluate", "expert_load", "full_cross_entropy", "heldout_bytes", "indexer_distill_terms",
+    "indexer_kl", "indexer_recall", "init_lora", "load_any", "load_documents", "load_metrics", "load_run",
+    "make_dataset", "make_optimizer", "param_labels", "plot_metrics", "read_metrics", "sequence_balance_loss",
+    "topk_recall", "train", "with_index_topk",
 ]

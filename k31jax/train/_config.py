@@ -12,6 +12,7 @@ from ._data import DataConfig
 from ._optim import OptimConfig
 
 MASTER_DTYPES = ("float32", "bfloat16")
+DISTILL_STAGES = ("dense", "sparse")  # indexer distillation (k31jax.train._distill.STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,11 @@ class TrainConfig:
     save_every / keep: Orbax checkpoints every N steps (asynchronous), the newest K kept.
     eval_every / eval_batches: held-out loss every N steps (0: only at the end).
     mesh / rules: train under this mesh (`"data=2,fsdp=4"`) and rule table.
+    distill_indexer: None (language-model training), or indexer distillation
+      (`k31jax.train._distill`): "dense" (the warm-up: attention with the indexer off, only
+      the indexer trains, `optim.trainable="indexer"`) or "sparse" (attention on the model's
+      top-k selection; the indexer trains by the KL over it, other trainable weights by the
+      LM loss).
     """
 
     out: str
@@ -63,6 +69,7 @@ class TrainConfig:
     mesh: str | None = None
     rules: str | None = None
     seed: int = 0
+    distill_indexer: str | None = None
 
     def __post_init__(self):
         problems = []
@@ -83,6 +90,15 @@ class TrainConfig:
         if self.lora_rank and self.optim.trainable != "all":
             problems.append(f"lora_rank={self.lora_rank} with trainable={self.optim.trainable!r}: LoRA trains "
                             "only its adapters")
+        if self.distill_indexer is not None:
+            if self.distill_indexer not in DISTILL_STAGES:
+                problems.append(f"distill_indexer={self.distill_indexer!r}: expected None or one of {DISTILL_STAGES}")
+            elif self.distill_indexer == "dense" and self.optim.trainable != "indexer":
+                problems.append(f"distill_indexer='dense' with trainable={self.optim.trainable!r}: the dense warm-up "
+                                "trains only the indexer (trainable='indexer')")
+            if self.lora_rank:
+                problems.append(f"distill_indexer with lora_rank={self.lora_rank}: distillation trains the indexer "
+                                "itself, not LoRA adapters")
         if problems:
             raise ValueError("TrainConfig: " + "; ".join(problems))
 

@@ -40,6 +40,7 @@ from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
 from ._data import DataConfig, make_dataset, split_documents
+from ._distill import distill_setup, distill_step, indexer_recall
 from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
 from ._metrics import MetricsLog
 from ._optim import FROZEN, OptimConfig, learning_rate_schedule, make_optimizer, map_by_path, param_labels
@@ -232,6 +233,10 @@ class Trainer:
             balance_loss=cfg.balance_loss, bias_update_rate=cfg.bias_update_rate,
             lora_scale=cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else None)
         self._step_fn = jax.jit(train_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+        self._step_graphdef = self.graphdef
+        if cfg.distill_indexer:  # the same contract as train_step; the dense warm-up runs selection off
+            self._step_graphdef, self.settings = distill_setup(model, cfg)
+            self._step_fn = jax.jit(distill_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
         # multi-host (after `k31jax.distributed.initialize`): each process reads its slice of
         # every global batch, assembled into one global array on the mesh
         data = dataclasses.replace(cfg.data, num_processes=jax.process_count(), process_index=jax.process_index())
@@ -259,7 +264,7 @@ class Trainer:
             saved = TrainConfig.from_json(json.loads(run_file.read_text()))
             keep_same = ("data", "optim", "model", "init", "dtype", "qat", "mxfp8_activations", "grad_accum",
                          "lora_rank", "lora_alpha", "seed", "vocab_chunk", "z_loss", "bias_update_rate",
-                         "balance_loss")
+                         "balance_loss", "distill_indexer")
             changed = [f for f in keep_same if getattr(saved, f) != getattr(self.cfg, f)]
             if changed:
                 raise ValueError(f"--resume: {self.out} was trained with other settings for {changed}; resume "
@@ -312,7 +317,7 @@ class Trainer:
         for _ in range(n):
             batch = self._next_batch()
             self.params, self.opt_state, self.trainable, metrics = self._step_fn(
-                self.graphdef, self.tx, self.settings, self.params, self.opt_state, self.trainable, batch)
+                self._step_graphdef, self.tx, self.settings, self.params, self.opt_state, self.trainable, batch)
             self.step += 1
             out.append(jax.device_get(metrics))
         return out
@@ -349,12 +354,14 @@ class Trainer:
                         dt = time.perf_counter() - t0
                         last["tokens_per_s"] = since * tokens_per_step / dt
                         log.write(self.step, last)
-                        log.progress(since, {"loss": float(last["loss"]), "tok/s": last["tokens_per_s"]})
+                        shown = {"loss": float(last["loss"]), "tok/s": last["tokens_per_s"]}
+                        if "indexer_kl" in last:
+                            shown["kl"] = float(last["indexer_kl"])
+                        log.progress(since, shown)
                         t0, since = time.perf_counter(), 0
                     if (self.evaluates and cfg.eval_every and self.step % cfg.eval_every == 0
                             and self.step < cfg.steps):
-                        ev = evaluate(self.model(), self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
-                        log.write(self.step, {"eval_loss": ev.loss, "eval_bits_per_byte": ev.bits_per_byte})
+                        self._held_out(log)
                     if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                         self.save()
                 interrupted = self._stop_signal is not None
@@ -364,9 +371,7 @@ class Trainer:
                 final = None
                 if not interrupted:
                     if self.evaluates:
-                        evaluation = evaluate(self.model(), self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
-                        log.write(self.step, {"eval_loss": evaluation.loss,
-                                              "eval_bits_per_byte": evaluation.bits_per_byte})
+                        evaluation = self._held_out(log)
                     if export:
                         final = self.export(self.out / "final")
         finally:
@@ -374,6 +379,18 @@ class Trainer:
                 signal.signal(sig, handler)
             log.close()
         return TrainResult(self.step, interrupted, last, evaluation, final)
+
+    def _held_out(self, log: MetricsLog) -> EvalResult:
+        """Held-out loss (and, distilling, the indexers' recall at `index_topk`), logged."""
+        cfg, model = self.cfg, self.model()
+        ev = evaluate(model, self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
+        row = {"eval_loss": ev.loss, "eval_bits_per_byte": ev.bits_per_byte}
+        if cfg.distill_indexer and self.model_config.index_topk < cfg.data.seq_len:
+            rec = indexer_recall(model, self.tokenizer, cfg.data, top_k=self.model_config.index_topk,
+                                 max_batches=cfg.eval_batches)
+            row.update(eval_indexer_recall=rec.recall, eval_indexer_kl=rec.kl)
+        log.write(self.step, row)
+        return ev
 
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum
