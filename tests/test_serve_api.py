@@ -25,20 +25,23 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "k31jax.cli", "serve", "--config", "tiny", "--port", str(port),
            "--max-len", str(MAX_LEN),
            "--max-batch", "8", "--prefill-chunk", "8", "--api-key", KEY, "--max-body-mb", "0.25"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "K31JAX_COMPILE_CACHE": "0"})
+    # stderr to a file: an unread pipe fills up with compiler warnings and blocks the server
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                env={**os.environ, "K31JAX_COMPILE_CACHE": "0"})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + 900  # the warm-up compiles every program; slow on a shared 2-core machine
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
+            pytest.fail(f"server exited: {log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 break
@@ -46,7 +49,7 @@ def server():
             time.sleep(0.5)
     else:
         proc.kill()
-        pytest.fail("server did not become healthy")
+        pytest.fail(f"server did not become healthy: {log.read_text()[-3000:]}")
     yield base
     os.kill(proc.pid, signal.SIGTERM)
     try:

@@ -3,7 +3,7 @@
 Loads the model (a checkpoint, or the embedded default model), builds the continuous-batching
 scheduler, compiles every program once (warm-up) and then listens, on 127.0.0.1 unless
 ``--host`` says otherwise. One line `k31jax serve: listening on http://HOST:PORT` goes to
-stderr when it is ready. SIGINT / SIGTERM stop it cleanly.
+stderr when it is ready. SIGINT / SIGTERM stop it cleanly (exit code 130 / 143).
 
 With ``--mesh`` (one host) the model and every jitted program run sharded on that mesh. Across
 several processes or hosts (``--coordinator/--num-processes/--process-id`` and a ``--mesh`` over
@@ -14,6 +14,7 @@ process steps the same batch.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -114,8 +115,18 @@ def _run(args) -> int:
         scheduler.start()
         print(f"k31jax serve: listening on http://{args.host}:{args.port} (model '{name}')",
               file=sys.stderr, flush=True)
+        # uvicorn shuts down gracefully on SIGINT / SIGTERM, then restores the handlers it found
+        # and raises the signal again: these note it instead of killing the process, so the
+        # scheduler stops (multi-host: it tells the other processes) and the process exits
+        # normally, with 128 + the signal's number.
+        caught: list[int] = []
+        previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.run()
         finally:
             scheduler.stop()
-    return 0
+            for sig, handler in previous.items():
+                if handler is not None:  # None: a handler installed outside Python
+                    signal.signal(sig, handler)
+    return 128 + caught[0] if caught else 0
