@@ -50,7 +50,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -444,7 +443,7 @@ def main(argv=None):
         "decode_times_s": dec_times,
         **res,
         "build_s": build_s,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mb": next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20,
     }
     print(json.dumps(out), flush=True)
 

@@ -28,7 +28,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import sys
 import time
 
@@ -51,7 +50,7 @@ def rss_now_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
 
 
 def decays(name: str, tensor) -> bool:

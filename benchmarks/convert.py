@@ -12,7 +12,7 @@ and again warm:
 - plain copy: the same bytes read and written to new files, fsynced (the `cp` floor: a
   conversion has to write every byte too);
 - convert: `k31jax.convert(SRC, DST)` with its defaults (durable: files fsynced before the
-  final rename), throughput = source bytes / wall time, and its peak RSS (ru_maxrss);
+  final rename), throughput = source bytes / wall time, and its peak RSS (VmHWM: ru_maxrss would include the parent's peak, carried across exec);
 - export: the converted checkpoint back to the release layout.
 
 The memory bound checked: peak RSS < 1.5 GB + the largest single layer. `--record` appends
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 PLAIN_READ = """
-import os, sys, time, resource
+import os, sys, time
 files = sys.argv[1:]
 buf = bytearray(16 << 20)
 t = time.perf_counter(); n = 0
@@ -48,11 +48,11 @@ for f in files:
                 break
             n += k
 dt = time.perf_counter() - t
-print(f'{{"bytes": {n}, "seconds": {dt}, "rss": {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}}')
+print(f'{{"bytes": {n}, "seconds": {dt}, "rss": {next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))}}}')
 """
 
 PLAIN_COPY = """
-import os, sys, time, resource
+import os, sys, time
 dst = sys.argv[1]
 os.makedirs(dst, exist_ok=True)
 buf = bytearray(16 << 20)
@@ -67,11 +67,11 @@ for f in sys.argv[2:]:
             n += k
         os.fsync(out.fileno())
 dt = time.perf_counter() - t
-print(f'{{"bytes": {n}, "seconds": {dt}, "rss": {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}}')
+print(f'{{"bytes": {n}, "seconds": {dt}, "rss": {next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))}}}')
 """
 
 CONVERT = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from k31jax import convert
 t = time.perf_counter()
@@ -79,16 +79,16 @@ kw = {"chunk_byte_size": int(sys.argv[3])} if len(sys.argv) > 3 else {}
 r = convert(sys.argv[1], sys.argv[2], progress=False, **kw)
 dt = time.perf_counter() - t
 print(json.dumps({"bytes": r.source_bytes, "seconds": dt, "import_seconds": t - t0,
-                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "rss": next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))}))
 """
 
 EXPORT = """
-import json, resource, sys, time
+import json, sys, time
 from k31jax import export
 t = time.perf_counter()
 r = export(sys.argv[1], sys.argv[2], progress=False)
 print(json.dumps({"bytes": r.bytes, "seconds": time.perf_counter() - t,
-                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "rss": next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))}))
 """
 
 

@@ -3,45 +3,58 @@ second turn of a long conversation resumed from the session snapshot vs prefille
 In-process on the `Scheduler` (its own thread, as in `k31jax serve`; no HTTP), so the
 numbers are the scheduler's and the engine's.
 
-    .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--max-batch 8] [--repeats 3] [--record]
+    .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--requests-per-client 4] [--max-batch 8]
+                                         [--repeats 3] [--record]
 
 Model: the embedded default model (`load_model()`: 4.5M parameters, hidden 128, 8 layers, what
 `k31jax serve` serves without --ckpt) unless `--config PRESET` (seeded random weights).
 Prompts are Python standard-library source text (what the embedded model was trained on).
 
-1. Throughput and p50 / p99 time to first token: `--clients` requests submitted at once, with
-   prompt and output lengths drawn log-uniformly (many short, a few long, as chat traffic is):
-   prompts 16..`--max-prompt` tokens, outputs 8..`--max-new` tokens. Sampling at temperature
-   0.8 with a seed per request and no stop ids, so every request makes exactly its output
-   length on both sides (the same tokens are counted).
-   - continuous: the `Scheduler` with `--max-batch` slots: requests join and leave between
-     decode steps, prompts are prefilled in `--chunk`-token calls between decode steps;
-   - static: the same requests in submission order, `--max-batch` at a time, each group run to
-     its longest output by `Engine.generate` (the group's prompts padded to one bucket): a
-     server without continuous batching. Same model, context length and chunk.
-   TTFT: from submission (all at t = 0) to the request's first token. "Ideal" is the ratio a
-   perfect continuous batcher would reach if a decode step cost the same whatever rows it
-   holds and prefill were free: static's decode steps (each group's longest output, summed)
-   over continuous's (all outputs / max_batch). It depends on the length spread only: with
-   uniform 8..128 outputs it is ~1.7x, so no batcher reaches 2x there.
+1. Throughput and p50 / p99 time to first token for `--clients` concurrent clients, each
+   sending `--requests-per-client` requests one after another (the next when the last one's
+   answer is complete: a closed loop, as agents and chat users do). Prompt and output lengths
+   are drawn log-uniformly (many short, a few long, as chat traffic is): prompts
+   16..`--max-prompt` tokens, outputs 8..`--max-new` tokens. Sampling at temperature 0.8 with
+   a seed per request and no stop ids, so every request makes exactly its output length on both
+   sides (the same tokens are counted).
+   - continuous: the `Scheduler` with `--max-batch` slots on its thread, one client thread per
+     client: requests join and leave between decode steps, prompts are prefilled in
+     `--chunk`-token calls between decode steps;
+   - static: a server without continuous batching, simulated exactly: it takes the first
+     `--max-batch` waiting requests, runs them to the longest output with `Engine.generate`
+     (the group's prompts padded to one bucket), answers them all, then takes the next group;
+     a client's next request arrives when its answer is complete. Same model, context length,
+     chunk and requests.
+   TTFT: from a request's submission to its first token (queueing included). "Ideal" is the
+   ratio a perfect continuous batcher would reach if a decode step cost the same whatever rows
+   it holds and prefill were free: static's decode steps (each group's longest output, summed)
+   over all outputs / max_batch. It depends on the length spread: with uniform 8..128 outputs
+   it is ~1.7x, so no batcher reaches 2x there. `--requests-per-client 1` is one burst (all
+   requests at t = 0): the end of that run, when the last long requests decode alone, weighs
+   more.
 2. Session reuse: a conversation whose first turn is `--history` tokens; the second turn is the
    first prompt + the reply it got + a new question (~40 tokens). Its TTFT on an idle
    scheduler, resumed from the snapshot stored at the end of turn 1 (prefix cache on) vs
    prefilled cold (prefix cache off: the whole prompt in `--chunk`-token calls). The same
    compiled programs serve both sides.
-Method (`benchmarks/_harness.py`): in each part the two sides alternate, one warm-up each,
-then `--repeats` rounds; median [min, max]; the 1-minute load average before and after every
-timed run. `--record` writes the printed block into RESULTS.md (refused when the load exceeded
+Method (`benchmarks/_harness.py`): in each part the two sides alternate, one warm-up each
+(throughput: every program of the run compiled and run once with 2 output tokens), then
+`--repeats` rounds; median [min, max]; the 1-minute load average before and after every timed
+run (it counts this benchmark's own 2 busy threads) and the CPU other processes used during
+the timed runs (machine busy time from /proc/stat minus this process's). `--record` writes the printed block into RESULTS.md (refused when the load exceeded
 the core count, unless `--force`, which marks it as measured under load).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import math
 import os
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -97,86 +110,147 @@ def load_now() -> float:
     return os.getloadavg()[0]
 
 
-def timed(fn, loads: list[str]):
-    """Run `fn`, noting the 1-minute load average before and after."""
-    before = load_now()
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class Foreign:
+    """CPU time other processes take during the timed runs (the load average cannot tell them
+    from this benchmark's own busy threads)."""
+
+    def __init__(self):
+        self.seconds = self.ticks = 0.0
+
+    def cores(self) -> float:
+        return self.ticks / os.sysconf("SC_CLK_TCK") / max(self.seconds, 1e-9)
+
+
+def timed(fn, loads: list[str], foreign: Foreign):
+    """Run `fn`, noting the 1-minute load average before and after and other processes' CPU."""
+    before, t0, busy0, own0 = load_now(), time.perf_counter(), _busy_ticks(), _own_ticks()
     out = fn()
+    foreign.ticks += (_busy_ticks() - busy0) - (_own_ticks() - own0)
+    foreign.seconds += time.perf_counter() - t0
     loads.append(f"{before:.1f}/{load_now():.1f}")
     return out
 
 
-def continuous_side(sched: Scheduler, reqs, loads):
+def _summary(tokens: int, wall: float, ttft_ms) -> dict[str, float]:
+    return {"tok_s": tokens / wall, "ttft_p50_ms": np.quantile(ttft_ms, 0.5),
+            "ttft_p99_ms": np.quantile(ttft_ms, 0.99), "tokens": tokens}
+
+
+def continuous_side(sched: Scheduler, clients: list[list[Request]]):
+    """One thread per client, each sending its requests one after another."""
     def run():
+        done: list = []
+
+        def client(reqs):
+            for r in reqs:
+                done.append(sched.submit(r).result(timeout=3600))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in clients]
         t0 = time.perf_counter()
-        handles = [sched.submit(r) for r in reqs]
-        done = [h.result(timeout=3600) for h in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         wall = time.perf_counter() - t0
-        ttft = np.asarray([d.ttft_seconds for d in done]) * 1e3
-        tokens = sum(len(d.completion.tokens) for d in done)
-        return {"tok_s": tokens / wall, "ttft_p50_ms": np.quantile(ttft, 0.5),
-                "ttft_p99_ms": np.quantile(ttft, 0.99), "tokens": tokens}
-    return lambda: timed(run, loads)
+        return _summary(sum(len(d.completion.tokens) for d in done), wall,
+                        np.asarray([d.ttft_seconds for d in done]) * 1e3)
+    return run
 
 
-def static_side(engine: Engine, reqs, batch, loads):
+def static_order(clients: list[list[Request]], batch: int) -> list[list[tuple[int, int]]]:
+    """The groups a static server forms: first come, first served, `batch` at a time; a client's
+    next request arrives when its group ends, behind the requests already waiting."""
+    waiting = collections.deque((c, 0) for c in range(len(clients)))
+    groups = []
+    while waiting:
+        group = [waiting.popleft() for _ in range(min(batch, len(waiting)))]
+        groups.append(group)
+        waiting.extend((c, k + 1) for c, k in group if k + 1 < len(clients[c]))
+    return groups
+
+
+def static_side(engine: Engine, clients: list[list[Request]], batch: int):
+    groups = static_order(clients, batch)
+
     def run():
-        t0 = time.perf_counter()
+        sent = {(c, 0): 0.0 for c in range(len(clients))}  # submission times
         tokens, ttft = 0, []
-        for g in range(0, len(reqs), batch):
-            group = reqs[g:g + batch]
+        t0 = time.perf_counter()
+        for group in groups:
             start = time.perf_counter() - t0
-            res = engine.generate(group)
+            res = engine.generate([clients[c][k] for c, k in group])
+            end = time.perf_counter() - t0
             tokens += sum(len(c.tokens) for c in res.completions)
-            ttft += [(start + res.prefill_seconds) * 1e3] * len(group)
-        wall = time.perf_counter() - t0
-        return {"tok_s": tokens / wall, "ttft_p50_ms": np.quantile(ttft, 0.5),
-                "ttft_p99_ms": np.quantile(ttft, 0.99), "tokens": tokens}
-    return lambda: timed(run, loads)
+            ttft += [(start + res.prefill_seconds - sent[key]) * 1e3 for key in group]
+            sent.update({(c, k + 1): end for c, k in group})
+        return _summary(tokens, time.perf_counter() - t0, np.asarray(ttft))
+    return run, groups
 
 
-def session_side(sched: Scheduler, turn1: list[int], reply: int, turn2: list[int], reuse: bool, loads):
+def session_side(sched: Scheduler, turn1: list[int], reply: int, turn2: list[int], reuse: bool, loads, foreign):
     def run():
         sched.prefix = PrefixCache((1 << 30) if reuse else 0)
         if reuse:  # the first turn, which stores the snapshots
             sched.submit(Request(turn1, max_new_tokens=reply, stop_ids=frozenset())).result(timeout=3600)
         fin = sched.submit(Request(turn2, max_new_tokens=4, stop_ids=frozenset())).result(timeout=3600)
         return {"ttft_ms": fin.ttft_seconds * 1e3, "cached": fin.cached_tokens}
-    return lambda: timed(run, loads)
+    return lambda: timed(run, loads, foreign)
 
 
 def throughput(args, lm, ids, say: Lines) -> None:
     engine = Engine(lm.model, lm.tokenizer, max_len=args.max_len, prefill_chunk=args.chunk)
-    reqs = make_requests(ids, args.clients, args.max_prompt, args.max_new, args.seed)
+    n, per = args.clients, args.requests_per_client
+    reqs = make_requests(ids, n * per, args.max_prompt, args.max_new, args.seed)
+    clients = [reqs[c * per:(c + 1) * per] for c in range(n)]
     outs = np.asarray([r.max_new_tokens for r in reqs])
     prompts = np.asarray([len(r.prompt) for r in reqs])
-    groups = [outs[g:g + args.max_batch] for g in range(0, len(outs), args.max_batch)]
-    ideal = sum(g.max() for g in groups) / (outs.sum() / args.max_batch)
-    sched = Scheduler(engine, max_batch=args.max_batch, prefill_chunk=args.chunk, max_queue=args.clients)
+    sched = Scheduler(engine, max_batch=args.max_batch, prefill_chunk=args.chunk, max_queue=n)
     t0 = time.perf_counter()
     sched.warmup()
+    static_run, groups = static_side(engine, clients, args.max_batch)
+    for group in groups:  # compile and run every static group shape once (2 tokens each)
+        engine.generate([dataclasses.replace(clients[c][k], max_new_tokens=2) for c, k in group])
     compile_s = time.perf_counter() - t0
+    ideal = sum(max(clients[c][k].max_new_tokens for c, k in g) for g in groups) / (outs.sum() / args.max_batch)
     sched.start()
     loads = {"continuous": [], "static": []}
+    foreign = Foreign()
     try:
-        stats = alternate({"continuous": continuous_side(sched, reqs, loads["continuous"]),
-                           "static": static_side(engine, reqs, args.max_batch, loads["static"])}, args.repeats)
+        # the continuous side's short warm-up round (the static one ran above, compiling)
+        continuous_side(sched, [[dataclasses.replace(r, max_new_tokens=2) for r in c] for c in clients])()
+        continuous_run = continuous_side(sched, clients)
+        stats = alternate({"continuous": lambda: timed(continuous_run, loads["continuous"], foreign),
+                           "static": lambda: timed(static_run, loads["static"], foreign)}, args.repeats, warmup=0)
     finally:
         sched.stop()
     c, s = stats["continuous"], stats["static"]
     say("## throughput: continuous batching vs one static batch at a time")
-    say(f"{args.clients} clients at once, max_batch {args.max_batch}, context {args.max_len}, prefill chunk "
-        f"{args.chunk}; prompts {prompts.min()}..{prompts.max()} tokens (median {int(np.median(prompts))}), "
-        f"outputs {outs.min()}..{outs.max()} (median {int(np.median(outs))}, total {outs.sum()}), log-uniform")
-    say(f"scheduler warm-up (compiles) {compile_s:.1f} s, excluded; {args.repeats} rounds alternating, after one "
-        "warm-up round each")
+    say(f"{n} clients x {per} requests one after another, max_batch {args.max_batch}, context {args.max_len}, "
+        f"prefill chunk {args.chunk}; prompts {prompts.min()}..{prompts.max()} tokens (median "
+        f"{int(np.median(prompts))}), outputs {outs.min()}..{outs.max()} (median {int(np.median(outs))}, total "
+        f"{outs.sum()}), log-uniform")
+    say(f"warm-up (scheduler and static programs compiled, a 2-token round each) {compile_s:.1f} s, excluded; "
+        f"{args.repeats} rounds alternating")
     say(f"{'':24}{'tok/s':>24}{'TTFT p50 ms':>26}{'TTFT p99 ms':>26}")
     for name, st in (("continuous (scheduler)", c), ("static (Engine.generate)", s)):
         say(f"{name:24}{str(st['tok_s']):>24}{str(st['ttft_p50_ms']):>26}{str(st['ttft_p99_ms']):>26}")
     say(f"throughput ratio of medians (continuous / static): {ratio(c['tok_s'], s['tok_s']):.2f}x   "
         f"(target >= 2x; ideal for these lengths {ideal:.2f}x)")
     say(f"TTFT p50 ratio (static / continuous): {ratio(s['ttft_p50_ms'], c['ttft_p50_ms']):.2f}x")
-    say(f"1-min load before/after each timed run: continuous {' '.join(loads['continuous'][1:])}; "
-        f"static {' '.join(loads['static'][1:])}")
+    say(f"1-min load before/after each timed run: continuous {' '.join(loads['continuous'])}; "
+        f"static {' '.join(loads['static'])}; other processes' CPU during them: {foreign.cores():.2f} cores")
 
 
 def session(args, lm, ids, say: Lines) -> None:
@@ -201,14 +275,15 @@ def session(args, lm, ids, say: Lines) -> None:
             first = sched.submit(Request(turn1, max_new_tokens=args.reply, stop_ids=frozenset())).result(timeout=3600)
             turn2 = turn1 + first.completion.tokens + question
             loads = {"resumed": [], "cold": []}
-            st = alternate({"resumed": session_side(sched, turn1, args.reply, turn2, True, loads["resumed"]),
-                            "cold": session_side(sched, turn1, args.reply, turn2, False, loads["cold"])},
+            foreign = Foreign()
+            st = alternate({"resumed": session_side(sched, turn1, args.reply, turn2, True, loads["resumed"], foreign),
+                            "cold": session_side(sched, turn1, args.reply, turn2, False, loads["cold"], foreign)},
                            args.repeats)
             r, c = st["resumed"], st["cold"]
             say(f"{hist:>8}{len(turn2):>15}{str(r['ttft_ms']):>28}{int(r['cached'].median):>8}"
                 f"{str(c['ttft_ms']):>28}{ratio(c['ttft_ms'], r['ttft_ms']):>13.2f}x")
             say(f"{'':8}1-min load before/after each timed run: resumed {' '.join(loads['resumed'][1:])}; "
-                f"cold {' '.join(loads['cold'][1:])}")
+                f"cold {' '.join(loads['cold'][1:])}; other processes' CPU: {foreign.cores():.2f} cores")
     finally:
         sched.stop()
     say("target: >= 3x faster time to first token at a few thousand tokens of history")
@@ -218,6 +293,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="preset with random weights (default: the embedded model)")
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=1024, help="context of the throughput part")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (k31jax serve's default)")

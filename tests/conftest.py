@@ -2,11 +2,30 @@
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CLI turns on JAX's persistent compilation cache for its process (`k31jax generate`);
 # called in-process by a test it would stay on, writing to the user's cache, for the session.
 os.environ["K31JAX_COMPILE_CACHE"] = "0"
+# The CLI processes tests start (`cli_env()`) share one persistent cache for the whole run (the
+# xdist workers inherit it from the controller), so `train` -> `train --resume` -> `eval` or
+# two servers compile each program once per run; removed when the run ends.
+_RUN_CACHE_VAR = "K31JAX_TEST_RUN_XLA_CACHE"
+_OWNS_RUN_CACHE = _RUN_CACHE_VAR not in os.environ
+if _OWNS_RUN_CACHE:
+    os.environ[_RUN_CACHE_VAR] = tempfile.mkdtemp(prefix="k31jax-test-xla-")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a `k31jax` command a test runs as a subprocess."""
+    return {**os.environ, "K31JAX_COMPILE_CACHE": os.environ[_RUN_CACHE_VAR], **extra}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWNS_RUN_CACHE:
+        shutil.rmtree(os.environ[_RUN_CACHE_VAR], ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from conftest import randomize, tiny_config
+from conftest import cli_env, randomize, tiny_config
 from k31jax import K31ForCausalLM
 from k31jax.chat import (ByteTokenizer, ContentDelta, MissingReasoningError, ParsedMessage, ReasoningDelta,
                          ToolCallStart, apply_chat_template, collect_events)
@@ -253,7 +253,7 @@ def test_cli_chat_subprocess_with_piped_stdin():
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "k31jax.cli", "chat", "--max-new-tokens", "4", *SMALL],
                           input="Hi\n/history\n", capture_output=True, text=True, cwd=root,
-                          timeout=600, env={**__import__("os").environ, "K31JAX_COMPILE_CACHE": "0"})
+                          timeout=600, env=cli_env())
     assert proc.returncode == 0, proc.stderr
     assert "SEEDED RANDOM" in proc.stderr and '"role": "assistant"' in proc.stdout
 

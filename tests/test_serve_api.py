@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from conftest import cli_env
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -36,7 +37,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                env={**os.environ, "K31JAX_COMPILE_CACHE": "0"})
+                                env=cli_env())
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900  # the warm-up compiles every program; slow on a shared 2-core machine
     while time.time() < deadline:

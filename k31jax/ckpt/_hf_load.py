@@ -3,13 +3,15 @@
 This is the in-memory loader for small models and tests; the streaming Orbax converter
 (`convert/`) uses the same name table, plan and value builders (`_plan.py`). Every
 checkpoint tensor must be used exactly once and every parameter filled, or the load fails
-naming what is wrong.
+naming what is wrong. With `vision=True` the MoonViT tower and projector (`vision_tower.*`,
+`mm_projector.*`) are read too, into a `VisionModel` (`_vision.py`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +22,19 @@ from ..config import ModelConfig
 from ..nn import K31ForCausalLM, abstract_model
 from ._plan import CheckpointError, build_value, get_path, make_plan
 from ._safetensors import SafetensorsIndex, TensorReader
+from ._vision import ModelWithVision, build_vision, vision_config_of
 
 __all__ = ["CheckpointError", "load_hf_weights"]
+
+
+@overload
+def load_hf_weights(path: str | os.PathLike, config: ModelConfig | None = None, *, dtype: str | None = ...,
+                    vision: Literal[False] = ..., **overrides) -> K31ForCausalLM: ...
+
+
+@overload
+def load_hf_weights(path: str | os.PathLike, config: ModelConfig | None = None, *, dtype: str | None = ...,
+                    vision: Literal[True], **overrides) -> ModelWithVision: ...
 
 
 def load_hf_weights(
@@ -29,16 +42,21 @@ def load_hf_weights(
     config: ModelConfig | None = None,
     *,
     dtype: str | None = None,
+    vision: bool = False,
     **overrides,
-) -> K31ForCausalLM:
-    """Build `K31ForCausalLM` from a safetensors checkpoint folder (`config.json` + weights).
+):
+    """Build `K31ForCausalLM` from a safetensors checkpoint folder (`config.json` + weights);
+    with `vision=True`, a `ModelWithVision(model, vision)`.
 
     MXFP4 experts stay packed when the config says `expert_weights="mxfp4"` (the default for
     the release config) and are decoded exactly with `expert_weights="bf16"`. `dtype`
     overrides the parameter/activation dtype (e.g. "float32" for exact comparisons); f32
     tensors of the release stay f32. Other keyword arguments override config fields
-    (e.g. `expert_weights="bf16"`, `index_topk=None`). The vision tower and projector are
-    not loaded.
+    (e.g. `expert_weights="bf16"`, `index_topk=None`; the config's own `vision` field only
+    through `config`, since `vision` here is the flag below).
+    vision: also build the `VisionModel` from `vision_tower.*` / `mm_projector.*`, in the
+    model's dtype, on the default device; a config without a `vision_config` is a
+    `CheckpointError`. Without it the vision tensors are not read.
     """
     path = Path(path)
     cfg = config or ModelConfig.from_hf(path)
@@ -46,6 +64,8 @@ def load_hf_weights(
         overrides["dtype"] = str(jnp.dtype(dtype))
     if overrides:
         cfg = cfg.replace(**overrides)
+    if vision:
+        vision_config_of(cfg, path)  # fail before reading the text model
     index = SafetensorsIndex(path)
     abstract = abstract_model(cfg)
     graphdef, abs_state = nnx.split(abstract)
@@ -74,4 +94,7 @@ def load_hf_weights(
         raise CheckpointError(f"internal: parameters without a source: {[jax.tree_util.keystr(k) for k in empty]}")
     state = jax.tree.map(jnp.asarray, arrays)
     nnx.replace_by_pure_dict(abs_state, state)
-    return nnx.merge(graphdef, abs_state)
+    model = nnx.merge(graphdef, abs_state)
+    if not vision:
+        return model
+    return ModelWithVision(model, build_vision(index, cfg, path))

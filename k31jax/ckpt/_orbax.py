@@ -7,6 +7,8 @@ path (`embed`, `lm_head`, `final_norm`, ...), each layer's slots under
 float leaves), and the vision tower / projector verbatim under `vision/`. Its custom
 metadata (`k31jax`) holds the release `config.json`, the effective config overrides and
 the conversion options; `k31jax_source_layout.json` records the source shards for `export`.
+With `vision=True`, `load_checkpoint` also builds the `VisionModel` from `vision/`
+(`_vision.py`); `load_checkpoint_vision` reads only that, from either kind of folder.
 
 `load_checkpoint` restores the text model layer group by layer group (a bounded number of
 bytes per Orbax call) and stacks the per-layer slots into the model's stacked parameters on
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +32,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
-from ..nn import abstract_model
+from ..nn import K31ForCausalLM, abstract_model
+from ..sharding import Rules
+from ..vision import VisionModel
 from ._manifest import check_checksums, check_sizes, read_manifest, require_manifest
 from ._names import stack_layers
 from ._plan import CheckpointError, layer_key
+from ._safetensors import SafetensorsIndex
+from ._vision import ModelWithVision, build_vision, vision_config_of
 
 FORMAT = "k31jax.orbax/1"
 META_KEY = "k31jax"
@@ -159,10 +166,47 @@ def load_stored(path: str | os.PathLike, keys, stored: dict | None = None) -> di
 
 def load_vision(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The vision tower and projector tensors by release name, as stored (verbatim)."""
-    info = checkpoint_info(path)
-    stored = flatten(info["stored"])
+    return _stored_vision(path, flatten(checkpoint_info(path)["stored"]))
+
+
+def _stored_vision(path, stored: dict) -> dict[str, np.ndarray]:
     keys = [k for k in stored if k[0] == "vision"]
     return {".".join(k[1:]): v for k, v in load_stored(path, keys, stored).items()}
+
+
+def _is_orbax(path: Path) -> bool:
+    # The converter's output: Orbax's metadata file, no safetensors shards.
+    return (path / "_CHECKPOINT_METADATA").exists() or not any(path.glob("*.safetensors"))
+
+
+def load_checkpoint_vision(path: str | os.PathLike, config: ModelConfig | None = None, *, dtype=None,
+                           mesh: jax.sharding.Mesh | None = None,
+                           rules: Rules | str | None = None) -> VisionModel:
+    """Only the `VisionModel` (tower + merge + projector) of a checkpoint folder: a converted
+    Orbax checkpoint or a release-layout safetensors folder; the text model is not read.
+
+    config: default the checkpoint's own (its Orbax metadata, or `config.json`). dtype:
+    default as the text model's loader: bfloat16 for an Orbax checkpoint (`load_checkpoint`),
+    the config's for a release folder (`load_hf_weights`). mesh: each parameter placed by its
+    logical axes (`rules`: a table or its name; default the mesh's), i.e. tensor parallel
+    over the attention heads and the MLP width; None: the default device. A config without
+    a `vision_config` is a `CheckpointError`; missing or misshapen vision tensors are a
+    `VisionLoadError`; both name the folder.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if _is_orbax(path):
+        info = checkpoint_info(path)
+        cfg = config or checkpoint_config(info)
+        vision_config_of(cfg, path)  # before reading any tensor
+        dtype = dtype or jnp.bfloat16
+        tensors = _stored_vision(path, flatten(info["stored"]))
+    else:
+        cfg = config or ModelConfig.from_hf(path)
+        vision_config_of(cfg, path)
+        tensors = SafetensorsIndex(path)
+    return build_vision(tensors, cfg, path, dtype=dtype, mesh=mesh, rules=rules)
 
 
 def _resolve_shardings(shardings, targets: dict) -> dict[tuple[str, ...], object]:
@@ -196,6 +240,30 @@ def _concat(parts: tuple, sharding) -> jax.Array:
     return jax.jit(lambda *p: jnp.concatenate(p), out_shardings=sharding)(*parts)
 
 
+def _vision_placement(shardings, shard: dict) -> dict:
+    """Where `load_checkpoint(vision=True)` puts the vision modules: on the default device
+    without `shardings`, on the one sharding given for every parameter, else by their
+    logical axes on the mesh of the given (Named) shardings."""
+    if shardings is None:
+        return {}
+    if isinstance(shardings, jax.sharding.Sharding):
+        return {"sharding": shardings}
+    for sh in shard.values():
+        if isinstance(sh, NamedSharding):
+            return {"mesh": sh.mesh}
+    return {"sharding": next((sh for sh in shard.values() if sh is not None), None)}
+
+
+@overload
+def load_checkpoint(path: str | os.PathLike, *, dtype=..., shardings=..., max_bytes_per_call: int = ...,
+                    verify: bool = ..., vision: Literal[False] = ..., rules=...) -> K31ForCausalLM: ...
+
+
+@overload
+def load_checkpoint(path: str | os.PathLike, *, dtype=..., shardings=..., max_bytes_per_call: int = ...,
+                    verify: bool = ..., vision: Literal[True], rules=...) -> ModelWithVision: ...
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -203,24 +271,35 @@ def load_checkpoint(
     shardings=None,
     max_bytes_per_call: int = 2 << 30,
     verify: bool = False,
+    vision: bool = False,
+    rules: Rules | str | None = None,
 ):
-    """Restore a converted checkpoint as a ready `K31ForCausalLM`.
+    """Restore a converted checkpoint as a ready `K31ForCausalLM` (with `vision=True`, a
+    `ModelWithVision(model, vision)`).
 
     dtype: compute / parameter dtype (e.g. `jnp.float32` for exact comparisons; default
     bfloat16); the model's float32 parameters stay float32 and packed MXFP4 experts stay
     uint8. shardings: None (the default device), one `jax.sharding.Sharding` for every
     parameter, or a tree like `nnx.to_pure_dict(nnx.state(model, nnx.Param))` (or the
     abstract state of `nnx.get_abstract_model`) of shardings / arrays carrying one.
-    Layers are restored in calls of at most `max_bytes_per_call` bytes. The vision subtree
-    is not read (see `load_vision`).
+    Layers are restored in calls of at most `max_bytes_per_call` bytes.
     verify: check every stored byte against the checksum manifest first (reads the whole
     checkpoint once more); without it only the files' sizes are checked. A damaged or
     truncated file is an `IntegrityError` naming it.
+    vision: also build the `VisionModel` (MoonViT tower, merge, projector) from the stored
+    `vision/` subtree, in `dtype`. Its placement follows `shardings`: none, the default
+    device; one sharding, that one; a tree, each vision parameter by its logical axes on
+    the mesh of those shardings (tensor parallel over heads and MLP width) under `rules`
+    (a table or its name; default the mesh's). A checkpoint whose config has no
+    `vision_config` is a `CheckpointError`. Without `vision` the subtree is not read
+    (`load_vision` returns its tensors, `load_checkpoint_vision` the vision model alone).
     """
     path = Path(path).absolute()
     check_integrity(path, checksums=verify)
     info = checkpoint_info(path)
     cfg = checkpoint_config(info, dtype=str(jnp.dtype(dtype or jnp.bfloat16)))
+    if vision:
+        vision_config_of(cfg, path)  # fail before reading the text model
     abstract = abstract_model(cfg)
     graphdef, abs_state = nnx.split(abstract)
     targets = nnx.to_pure_dict(abs_state)
@@ -305,7 +384,12 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: stored leaves {extra[:6]} are not parameters of the model built from the "
                               "checkpoint's config (a checkpoint written for another config?)")
     nnx.replace_by_pure_dict(abs_state, _nest(out))
-    return nnx.merge(graphdef, abs_state)
+    model = nnx.merge(graphdef, abs_state)
+    if not vision:
+        return model
+    vision_model = build_vision(_stored_vision(path, stored), cfg, path, rules=rules,
+                                **_vision_placement(shardings, shard))
+    return ModelWithVision(model, vision_model)
 
 
 def _run_sharding(sh):

@@ -13,10 +13,13 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable
+
+import jax
 
 from ..ckpt import CheckpointError, SafetensorsError
 from ..config import ConfigError
@@ -212,3 +215,20 @@ def check_mesh_spec(flag: str, spec: str) -> None:
 def check_rules(flag: str, name: str | None) -> None:
     if name is not None and name not in RULE_TABLES:
         raise UsageError(f"{flag} {name!r}: expected one of {', '.join(sorted(RULE_TABLES))}")
+
+
+def enable_compile_cache() -> None:
+    """JAX's persistent compilation cache for this process, so the next run of a command (a
+    resumed training run, the next `generate`) loads its programs instead of compiling them.
+    K31JAX_COMPILE_CACHE: the folder (default ~/.cache/k31jax/xla), or 0 for off."""
+    where = os.environ.get("K31JAX_COMPILE_CACHE", "")
+    if where == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    path = where or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                 "k31jax", "xla")
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except (OSError, AttributeError):
+        pass

@@ -19,14 +19,14 @@ import sys
 import unicodedata
 from pathlib import Path
 
-import jax
 
 from ..chat import (ContentDelta, ReasoningDelta, Segment, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                     apply_chat_template)
 from ..config import preset_names
 from ..generate import DEFAULT_MODEL, ChatSession, Engine, Request, SamplingParams, load_model
 from ..vision import ImageError, decode_image
-from ._common import UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context, install
+from ._common import (UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context,
+                      enable_compile_cache, install)
 
 DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
 
@@ -92,25 +92,10 @@ class EventPrinter:
 
 
 # ---- shared setup ---------------------------------------------------------------------
-def _enable_compile_cache() -> None:
-    """Persistent XLA cache so a second run skips compilation (K31JAX_COMPILE_CACHE=0: off)."""
-    where = os.environ.get("K31JAX_COMPILE_CACHE", "")
-    if where == "0" or jax.config.jax_compilation_cache_dir:
-        return
-    path = where or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                                 "k31jax", "xla")
-    try:
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    except (OSError, AttributeError):
-        pass
-
-
 def _engine(args, vision: bool | None = False):
     """(Engine, the loaded model's `raw_completion`, the `LoadedModel`). `vision` as in
     `load_model`: True loads (or builds a seeded random) vision tower now."""
-    _enable_compile_cache()
+    enable_compile_cache()
     loaded = load_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
                         tokenizer=args.tokenizer, vision=vision)
     if loaded.banner:

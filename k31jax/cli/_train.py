@@ -15,7 +15,7 @@ from ..train import (DataConfig, OptimConfig, TrainConfig, evaluate, indexer_rec
 from ..train._config import DISTILL_STAGES, MASTER_DTYPES
 from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
 from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer, with_config
-from ._common import UsageError, check_float, check_int, check_mesh_spec, check_rules, install
+from ._common import UsageError, check_float, check_int, check_mesh_spec, check_rules, enable_compile_cache, install
 
 # Settings a resumed run may change; everything else must stay as the run was started.
 _RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches")
@@ -60,6 +60,7 @@ def _defaults(args: argparse.Namespace) -> None:
 
 def _cmd_train(args) -> int:
     _defaults(args)
+    enable_compile_cache()
     try:
         initialize()  # multi-host when K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID are set
         if args.resume:
@@ -91,6 +92,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    enable_compile_cache()
     try:
         model, tokenizer, source = load_any(args.ckpt, tokenizer=args.tokenizer)
         if args.dtype is not None and args.dtype != model.config.dtype:

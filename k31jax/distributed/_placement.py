@@ -187,7 +187,8 @@ def describe(model_or_state, mesh=None, rules: Rules | str | None = None, *, min
 
 def load_sharded(path, mesh, rules: Rules | str | None = None, *, dtype=None, **kwargs):
     """Restore a converted (Orbax) checkpoint straight onto `mesh`: every parameter is read
-    into its own sharding (`k31jax.ckpt.load_checkpoint` with these shardings)."""
+    into its own sharding (`k31jax.ckpt.load_checkpoint` with these shardings; with
+    `vision=True` the vision modules are placed under the same `rules`)."""
     cfg = checkpoint_config(checkpoint_info(path), dtype=str(jnp.dtype(dtype or jnp.bfloat16)))
     _, abs_state = abstract_state(cfg, mesh, rules)
-    return load_checkpoint(path, dtype=dtype, shardings=abs_state, **kwargs)
+    return load_checkpoint(path, dtype=dtype, shardings=abs_state, rules=rules, **kwargs)

@@ -13,7 +13,7 @@ reproduces it). It has seen no chat data, so `raw_completion` tells the CLI to c
 rather than wrap it in the chat format. A preset name (``config=``) builds seeded random weights.
 
 Vision: a checkpoint with a ``vision_config`` carries its MoonViT tower and projector
-(``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.vision.load_vision_model``. The
+(``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.ckpt.load_checkpoint_vision``. The
 embedded default model has **no trained vision tower**: for image inputs it gets a small one
 with **seeded random** weights (``EMBEDDED_VISION``, built from ``seed`` on demand, not shipped),
 so its "captions" show the plumbing, not understanding. A preset builds its own
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ByteTokenizer, KimiTokenizer
-from ..ckpt import SafetensorsIndex, load_checkpoint, load_hf_weights, load_vision
+from ..ckpt import load_checkpoint, load_checkpoint_vision, load_hf_weights
 from ..config import ModelConfig, VisionConfig
 from ..nn import K31ForCausalLM
 from ..vision import VisionModel, load_vision_model, release_shapes
@@ -98,8 +98,7 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
 
 def _checkpoint_vision(path: Path, cfg: ModelConfig, dtype: str | None):
     def load():
-        tensors = load_vision(path) if is_orbax_checkpoint(path) else SafetensorsIndex(path)
-        return load_vision_model(tensors, cfg.vision, dtype=dtype or cfg.dtype), None
+        return load_checkpoint_vision(path, cfg, dtype=dtype or cfg.dtype), None
     return load
 
 

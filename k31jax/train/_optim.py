@@ -38,6 +38,7 @@ AdamW groups are plain `optax.adamw` partitions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -237,9 +238,36 @@ def param_labels(params_state, trainable: str = "all", optimizer: str = "adamw")
 # ----------------------------------------------------------------------------- optimizer
 
 
+# The jitted steps take the optimizer as a static argument, hashed by identity: handing out one
+# object per (settings, parameter layout) lets a second Trainer in the process (a resume, a
+# notebook's next run) reuse the compiled step instead of compiling it again.
+_OPTIMIZERS: dict[tuple, optax.GradientTransformation] = {}
+_OPTIMIZERS_KEPT = 16
+
+
 def make_optimizer(cfg: OptimConfig, params_state) -> optax.GradientTransformation:
     """The optax transformation for `cfg` over parameters shaped like `params_state`
-    (`nnx.state(model, nnx.Param)`): zero frozen gradients -> clip -> per-label update."""
+    (`nnx.state(model, nnx.Param)`): zero frozen gradients -> clip -> per-label update. The
+    same object for the same settings and parameter layout."""
+    layout = tuple((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
+                   for path, leaf in jax.tree_util.tree_flatten_with_path(params_state)[0])
+    key = (cfg, layout)
+    if key not in _OPTIMIZERS:
+        while len(_OPTIMIZERS) >= _OPTIMIZERS_KEPT:
+            del _OPTIMIZERS[next(iter(_OPTIMIZERS))]
+        _OPTIMIZERS[key] = _build_optimizer(cfg, params_state)
+    return _OPTIMIZERS[key]
+
+
+@functools.lru_cache(maxsize=_OPTIMIZERS_KEPT)
+def make_lora_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW (after the clip) over LoRA adapters, every one trained; one object per settings."""
+    return optax.chain(*([optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm else []),
+                       optax.adamw(learning_rate_schedule(cfg), cfg.b1, cfg.b2, cfg.eps,
+                                   weight_decay=cfg.weight_decay))
+
+
+def _build_optimizer(cfg: OptimConfig, params_state) -> optax.GradientTransformation:
     table = _leaf_table(params_state)
     _check_trainable(table, cfg.trainable)
     label_of = {p: _label(leaf, cfg.trainable, cfg.optimizer) for p, leaf in table.items()}
@@ -269,5 +297,4 @@ def make_optimizer(cfg: OptimConfig, params_state) -> optax.GradientTransformati
     if cfg.clip_norm is not None:
         steps.append(optax.clip_by_global_norm(cfg.clip_norm))
     steps.append(optax.multi_transform(transforms, labels))
-    tx = optax.chain(*steps)
-    return tx
+    return optax.chain(*steps)

@@ -23,7 +23,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -43,13 +42,20 @@ from ._data import DataConfig, make_dataset, split_documents
 from ._distill import distill_setup, distill_step, indexer_recall
 from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
 from ._metrics import MetricsLog
-from ._optim import FROZEN, OptimConfig, learning_rate_schedule, make_optimizer, map_by_path, param_labels
+from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
+                     param_labels)
 from ._steps import StepSettings, eval_step, overlay, partition, train_step
 
 RUN_FILE = "run.json"
 MODEL_CONFIG_FILE = "model_config.json"
 CHECKPOINTS = "checkpoints"
 SIGTERM_EXIT = 143  # 128 + SIGTERM, after the checkpoint is written
+
+# One jit object per step for the process: every Trainer (and `evaluate` call) with the same
+# static arguments (graphdef, optimizer, settings) and shapes reuses the compiled program.
+_TRAIN_STEP = jax.jit(train_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+_DISTILL_STEP = jax.jit(distill_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+_EVAL_STEP = jax.jit(eval_step, static_argnums=(0, 1))
 
 
 # ---------------------------------------------------------------------------- model configs
@@ -176,7 +182,7 @@ def evaluate(model: K31ForCausalLM, tokenizer: TokenizerBase, data: DataConfig, 
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     settings = StepSettings(backends=backends or Backends())
-    step = jax.jit(eval_step, static_argnums=(0, 1))
+    step = _EVAL_STEP
     sums = dict(nll_sum=0.0, tokens=0.0, correct=0.0, bytes=0.0)
     batches = 0
     for batch in make_dataset(data, tokenizer, split):
@@ -221,10 +227,7 @@ class Trainer:
         if cfg.lora_rank:
             self.trainable = init_lora(state, DEFAULT_LORA_TARGETS, cfg.lora_rank, cfg.lora_alpha,
                                        jax.random.key(cfg.seed))
-            o = cfg.optim
-            self.tx = optax.chain(*([optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm else []),
-                                  optax.adamw(learning_rate_schedule(o), o.b1, o.b2, o.eps,
-                                              weight_decay=o.weight_decay))
+            self.tx = make_lora_optimizer(cfg.optim)
         else:
             self.params, self.trainable, self.tx = split_for_training(state, cfg.optim)
         self.opt_state = jax.jit(self.tx.init)(self.trainable)
@@ -232,11 +235,11 @@ class Trainer:
             backends=Backends(), remat=cfg.remat, vocab_chunk=cfg.vocab_chunk, z_loss=cfg.z_loss,
             balance_loss=cfg.balance_loss, bias_update_rate=cfg.bias_update_rate,
             lora_scale=cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else None)
-        self._step_fn = jax.jit(train_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+        self._step_fn = _TRAIN_STEP
         self._step_graphdef = self.graphdef
         if cfg.distill_indexer:  # the same contract as train_step; the dense warm-up runs selection off
             self._step_graphdef, self.settings = distill_setup(model, cfg)
-            self._step_fn = jax.jit(distill_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+            self._step_fn = _DISTILL_STEP
         # multi-host (after `k31jax.distributed.initialize`): each process reads its slice of
         # every global batch, assembled into one global array on the mesh
         data = dataclasses.replace(cfg.data, num_processes=jax.process_count(), process_index=jax.process_index())

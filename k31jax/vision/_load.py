@@ -99,10 +99,16 @@ def _logical_axes(var) -> tuple:
 
 
 def load_vision_model(tensors, cfg: VisionConfig, *, dtype="bfloat16", mesh: jax.sharding.Mesh | None = None,
-                      rules=None, attention_block: int = 1024) -> VisionModel:
+                      rules=None, sharding: jax.sharding.Sharding | None = None,
+                      attention_block: int = 1024) -> VisionModel:
     """A ready `VisionModel` from the release tensors (see the module docstring), every
     parameter cast to `dtype`; with `mesh`, each placed by its logical axes (`rules`: a rule
-    table or its name; default the mesh's)."""
+    table or its name; default the mesh's): tensor parallel over the attention heads and the
+    MLP width. `sharding`: one sharding for every parameter instead (e.g. replicated).
+    Neither: the default device."""
+    if mesh is not None and sharding is not None:
+        raise ValueError("load_vision_model: pass mesh (placement by logical axes) or sharding (one for every "
+                         "parameter), not both")
     graphdef, abstract = nnx.split(abstract_vision_model(cfg, dtype, attention_block=attention_block))
     host = vision_state(tensors, cfg)
     flat_abs = dict(nnx.to_flat_state(abstract))
@@ -116,11 +122,13 @@ def load_vision_model(tensors, cfg: VisionConfig, *, dtype="bfloat16", mesh: jax
             raise VisionLoadError(f"internal: {'/'.join(map(str, path))} built as {list(value.shape)}, "
                                   f"expected {list(var.shape)}")
         value = np.asarray(value).astype(var.dtype)
-        if mesh is None:
+        if sharding is not None:
+            values[path] = _place(value, sharding)
+        elif mesh is None:
             values[path] = jnp.asarray(value)
         else:
             spec = logical_to_spec(_logical_axes(var), value.shape, dict(mesh.shape), rules)
-            values[path] = jax.device_put(value, NamedSharding(mesh, spec))
+            values[path] = _place(value, NamedSharding(mesh, spec))
     state = nnx.to_pure_dict(abstract)
     for path, value in values.items():
         node = state
@@ -129,6 +137,12 @@ def load_vision_model(tensors, cfg: VisionConfig, *, dtype="bfloat16", mesh: jax
         node[path[-1]] = value
     nnx.replace_by_pure_dict(abstract, state)
     return nnx.merge(graphdef, abstract)
+
+
+def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    # Each device takes its own slice of the host copy: also right when the sharding spans
+    # several processes (every process holds the same tensors), where `device_put` is not.
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _flatten(tree, prefix=()):
