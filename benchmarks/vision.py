@@ -8,12 +8,13 @@ merge and the projector to 7168, in float32. The torch side runs in its own venv
 request, so the two sides alternate repeat by repeat (each repeat: k31jax, then torch) and see
 the same machine load. Weights are random (timing only; equality is the golden test's job).
 
-    .venv/bin/python benchmarks/vision.py [--layers 27] [--repeats 3] [--size 1024]
+    .venv/bin/python benchmarks/vision.py [--layers 27] [--repeats 3] [--size 1024] [--record [--force]]
 
 The full tower (--layers 27) takes minutes per image on 2 cores; --layers scales the tower
-depth for a quick look (tokens per image do not depend on it). Reported: median / min / max
-seconds per image over --repeats (>= 1) after one warm-up (compilation excluded), images/s from the
-median, and the 1-minute load average before and after (other sessions share the cores).
+depth for a quick look (tokens per image do not depend on it). Method (`benchmarks/_harness.py`):
+one warm-up per side (k31jax's compiles), then --repeats (>= 3) rounds alternating; seconds per
+image median [min, max], images/s from the median, the machine and its load before and after;
+`--record` writes RESULTS.md's "vision" block (refused under load unless --force, which marks it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +32,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import Session, alternate, ratio, record  # noqa: E402
 
 K3_WIDTH = dict(patch_size=14, hidden=1024, heads=12, qkv=1536, mlp=4096, pos_h=64, pos_w=64, text=7168, merge=2,
                 projector_eps=1e-5)
@@ -79,86 +82,87 @@ def _torch_python() -> str | None:
     return cand if Path(cand).exists() else None
 
 
-def _stats(times):
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", type=int, default=1024)
-    args = ap.parse_args()
-    if args.repeats < 1:  # one repeat of the full tower already takes minutes on 2 shared cores
-        ap.error("--repeats must be at least 1 (3 or more give a spread: median / min / max)")
+    ap.add_argument("--record", action="store_true", help="write the block into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="record even under load (marked)")
+    args = ap.parse_args(argv)
 
     import jax
+    from flax import nnx
 
     from k31jax.config import VisionConfig
     from k31jax.vision import VisionModel, pack_images, preprocess_image
-    from flax import nnx
 
+    torch_py = _torch_python()
+    if torch_py is None:
+        sys.exit("vision.py: the torch peer needs ./.torchvenv (or $K31JAX_TORCH_PYTHON): a ratio needs both sides")
+    session = Session()
     png = _png(args.size)
     cfg = VisionConfig(num_hidden_layers=args.layers)
     model = VisionModel(cfg, "float32", rngs=nnx.Rngs(0))
     run = nnx.jit(lambda m, x: m(x))
+    shape: dict[str, int] = {}
 
-    def encode_jax():
+    def encode_jax() -> dict[str, float]:
+        t0 = time.perf_counter()
         image = preprocess_image(png)
         out = run(model, pack_images([image.patches], [image.grid], cfg))
         out.block_until_ready()
-        return out.shape[0], image.num_tokens
+        seconds = time.perf_counter() - t0
+        shape.update(rows=out.shape[0], tokens=image.num_tokens)
+        _progress("k31jax", seconds)
+        return {"seconds": seconds}
 
-    child = None
-    torch_py = _torch_python()
-    if torch_py:
-        png_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"k31jax_vision_bench_{os.getpid()}.png"
-        png_path.write_bytes(png)
-        tcfg = {**K3_WIDTH, "layers": args.layers}
-        code = TORCH_CHILD.replace("peer.PROCESSOR_K3", repr(K3_PROCESSOR))
-        child = subprocess.Popen([torch_py, "-c", code, str(ROOT / "tests" / "golden"), json.dumps(tcfg), str(png_path)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        info = json.loads(child.stdout.readline())
+    png_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"k31jax_vision_bench_{os.getpid()}.png"
+    png_path.write_bytes(png)
+    code = TORCH_CHILD.replace("peer.PROCESSOR_K3", repr(K3_PROCESSOR))
+    child = subprocess.Popen([torch_py, "-c", code, str(ROOT / "tests" / "golden"),
+                              json.dumps({**K3_WIDTH, "layers": args.layers}), str(png_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    info = json.loads(child.stdout.readline())
 
-    def encode_torch():
+    def encode_torch() -> dict[str, float]:
         child.stdin.write("run\n")
         child.stdin.flush()
-        return json.loads(child.stdout.readline())
+        answer = json.loads(child.stdout.readline())
+        if answer["tokens"] != shape["tokens"] or answer["rows"] != shape["rows"]:
+            raise RuntimeError(f"torch encoded {answer['rows']} rows / {answer['tokens']} tokens, "
+                               f"k31jax {shape['rows']} / {shape['tokens']}")
+        _progress("torch", answer["seconds"])
+        return {"seconds": answer["seconds"]}
 
-    def progress(what: str, seconds: float) -> None:  # the full tower takes minutes: show each encode
-        print(f"[vision] {what}: {seconds:.1f} s (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    rows, tokens = encode_jax()  # warm-up: compiles
-    progress("k31jax warm-up (with compile)", time.perf_counter() - t0)
-    if child:
-        progress("torch warm-up", encode_torch()["seconds"])
-    jax_times, torch_times = [], []
-    for i in range(args.repeats):
-        t0 = time.perf_counter()
-        encode_jax()
-        jax_times.append(time.perf_counter() - t0)
-        progress(f"k31jax repeat {i + 1}", jax_times[-1])
-        if child:
-            torch_times.append(encode_torch()["seconds"])
-            progress(f"torch repeat {i + 1}", torch_times[-1])
-    load_after = os.getloadavg()[0]
-    if child:
+    try:  # one warm-up each (k31jax's compiles), then the sides in turn
+        stats = alternate({"k31jax": encode_jax, "torch": encode_torch}, args.repeats)
+    finally:
         child.stdin.close()
         child.wait(timeout=60)
         png_path.unlink(missing_ok=True)
+    session.finish()
+    ours, peer = stats["k31jax"]["seconds"], stats["torch"]["seconds"]
+    lines = [
+        f"one {args.size}x{args.size} PNG end to end (K3 preprocessing, tower of {args.layers} blocks at K3 width, "
+        f"2x2 merge, projector to {K3_WIDTH['text']}), float32, random weights",
+        f"tokens per image {shape['tokens']}, projected rows {shape['rows']}",
+        f"{'':34}{'seconds per image':>26}{'images/s':>12}",
+        f"{'k31jax (jit, jax ' + jax.__version__ + ')':34}{str(ours):>26}{1 / ours.median:>12.4f}",
+        f"{'torch ' + info['version'] + ' eager, ' + str(info['threads']) + ' threads':34}{str(peer):>26}"
+        f"{1 / peer.median:>12.4f}",
+        f"k31jax speed-up (ratio of medians): {ratio(peer, ours):.2f}x; {args.repeats} rounds alternating after "
+        f"one warm-up each (compile excluded)",
+    ]
+    for line in lines:
+        print(line)
+    print(f"# {session.header()}")
+    if args.record:
+        record("vision", lines, session, force=args.force)
 
-    result = {"image": f"{args.size}x{args.size}", "tower_layers": args.layers, "tokens_per_image": tokens,
-              "projected_rows": rows, "dtype": "float32", "repeats": args.repeats,
-              "load_avg_1min_before": load_before, "load_avg_1min_after": load_after,
-              "k31jax": {**_stats(jax_times), "images_per_s": 1 / statistics.median(jax_times),
-                         "jax": jax.__version__, "devices": str(jax.devices())}}
-    if child:
-        result["torch_peer"] = {**_stats(torch_times), "images_per_s": 1 / statistics.median(torch_times),
-                                "torch": info["version"], "threads": info["threads"]}
-        result["k31jax_speedup"] = statistics.median(torch_times) / statistics.median(jax_times)
-    print(json.dumps(result, indent=2))
+
+def _progress(side: str, seconds: float) -> None:  # the full tower takes minutes: show each encode
+    print(f"[vision] {side}: {seconds:.1f} s (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
