@@ -6,7 +6,7 @@ numbers are the scheduler's and the engine's.
     .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--requests-per-client 4] [--max-batch 8]
                                          [--repeats 3] [--record]
 
-Model: the embedded default model (`load_model()`: 4.5M parameters, hidden 128, 8 layers, what
+Model: the embedded default model (`load_model()`: 3.2M parameters, hidden 128, 8 layers, what
 `k31jax serve` serves without --ckpt) unless `--config PRESET` (seeded random weights).
 Prompts are Python standard-library source text (what the embedded model was trained on).
 
@@ -243,9 +243,9 @@ def throughput(args, lm, ids, say: Lines) -> None:
         f"{outs.sum()}), log-uniform")
     say(f"warm-up (scheduler and static programs compiled, a 2-token round each) {compile_s:.1f} s, excluded; "
         f"{args.repeats} rounds alternating")
-    say(f"{'':24}{'tok/s':>24}{'TTFT p50 ms':>26}{'TTFT p99 ms':>26}")
+    say(f"{'':24} {'tok/s':>23} {'TTFT p50 ms':>27} {'TTFT p99 ms':>27}")
     for name, st in (("continuous (scheduler)", c), ("static (Engine.generate)", s)):
-        say(f"{name:24}{str(st['tok_s']):>24}{str(st['ttft_p50_ms']):>26}{str(st['ttft_p99_ms']):>26}")
+        say(f"{name:24} {str(st['tok_s']):>23} {str(st['ttft_p50_ms']):>27} {str(st['ttft_p99_ms']):>27}")
     say(f"throughput ratio of medians (continuous / static): {ratio(c['tok_s'], s['tok_s']):.2f}x   "
         f"(target >= 2x; ideal for these lengths {ideal:.2f}x)")
     say(f"TTFT p50 ratio (static / continuous): {ratio(s['ttft_p50_ms'], c['ttft_p50_ms']):.2f}x")
