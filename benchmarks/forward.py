@@ -5,10 +5,13 @@ from one HF config dict, in float32, in the same run. The torch side runs in its
 (`benchmarks/_torch_runner.py`; see `tests/golden/make_kimi_linear_golden.py` for the venv),
 found at $K31JAX_TORCH_PYTHON or ./.torchvenv/bin/python, made by scripts/make_torch_venv.sh; without it only k31jax is timed.
 
-    .venv/bin/python benchmarks/forward.py [--batch 1] [--prompt-len 256] [--decode-steps 32]
+    .venv/bin/python benchmarks/forward.py [--batch 1] [--prompt-len 256] [--decode-steps 32] [--record [--force]]
 
-Timing: median of --repeats after a warm-up (compilation excluded for k31jax, as torch eager
-has none). decode tok/s = batch * steps / time for `steps` cached one-token steps.
+Method (`benchmarks/_harness.py`): one warm-up per side (k31jax's compiles; torch builds its
+model in each round's process and warms up there), then --repeats (>= 3) rounds alternating,
+k31jax then transformers; median [min, max]; the machine and its load before and after;
+`--record` writes RESULTS.md's "forward" block (refused under load unless --force, which marks
+it). decode tok/s = batch * steps / time for `steps` cached one-token steps (one jitted scan).
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,8 +32,10 @@ from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import k31jax  # noqa: E402
+from _harness import Session, alternate, ratio, record  # noqa: E402
 
 # A small Kimi Linear: 8 layers (MLA at 0-indexed 3 and 7), hidden 256, 32 experts top-4.
 CONFIG = {
@@ -51,16 +54,8 @@ CONFIG = {
 }
 
 
-def _median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def bench_k31jax(batch, prompt_len, steps, repeats):
+def k31jax_side(batch, prompt_len, steps):
+    """(one-round callable, parameter count): both programs compiled first."""
     cfg = k31jax.ModelConfig.from_hf(CONFIG, dtype="float32")
     model = k31jax.K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -84,61 +79,78 @@ def bench_k31jax(batch, prompt_len, steps, repeats):
     max_len = prompt_len + steps + 1
 
     def run_prefill():
-        out = prefill(state, k31jax.init_cache(cfg, batch, max_len), tokens)
-        jax.block_until_ready(out)
-        return out
+        return jax.block_until_ready(prefill(state, k31jax.init_cache(cfg, batch, max_len), tokens))
 
     first, cache = run_prefill()  # compile
     jax.block_until_ready(decode_n(state, cache, first))  # compile
-    t_prefill = _median_time(run_prefill, repeats)
-    first, cache = run_prefill()
-    t_decode = _median_time(lambda: jax.block_until_ready(decode_n(state, cache, first)), repeats)
-    return dict(prefill_tok_s=batch * prompt_len / t_prefill, decode_tok_s=batch * steps / t_decode,
-                decode_ms_per_step=1e3 * t_decode / steps,
-                n_params=k31jax.count_params(cfg).total)
+
+    def one_round() -> dict[str, float]:
+        t0 = time.perf_counter()
+        first, cache = run_prefill()
+        t1 = time.perf_counter()
+        jax.block_until_ready(decode_n(state, cache, first))
+        t2 = time.perf_counter()
+        return {"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1)}
+
+    return one_round, k31jax.count_params(cfg).total
 
 
-def bench_torch(batch, prompt_len, steps, repeats, threads):
+def torch_python() -> str | None:
     py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
-    if not Path(py).exists():
-        return None, f"no torch venv at {py}"
+    return py if Path(py).exists() else None
+
+
+def torch_round(batch, prompt_len, steps, threads, facts: dict) -> dict[str, float]:
+    """One transformers run in the torch venv (its own process, one warm-up, one timed repeat)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(CONFIG, f)
-    cmd = [py, str(ROOT / "benchmarks" / "_torch_runner.py"), "--config-json", f.name, "--batch", str(batch),
-           "--prompt-len", str(prompt_len), "--decode-steps", str(steps), "--repeats", str(repeats),
+    cmd = [torch_python(), str(ROOT / "benchmarks" / "_torch_runner.py"), "--config-json", f.name, "--batch", str(batch),
+           "--prompt-len", str(prompt_len), "--decode-steps", str(steps), "--repeats", "1",
            "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    os.unlink(f.name)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
     if proc.returncode:
-        return None, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), None
+        raise RuntimeError(f"transformers: {proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    facts.update(out)
+    return {"prefill_tok_s": out["prefill_tok_s"], "decode_tok_s": out["decode_tok_s"]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    threads = os.cpu_count() or 1
-    print(f"# forward benchmark  {time.strftime('%Y-%m-%d')}  {platform.processor() or platform.machine()}, "
-          f"{threads} CPU threads, jax {jax.__version__}, float32")
-    print(f"# config: Kimi Linear shape, hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
-          f"{CONFIG['num_experts']} experts top-{CONFIG['num_experts_per_token']}; batch {args.batch}, "
-          f"prompt {args.prompt_len}, {args.decode_steps} decode steps")
-    ours = bench_k31jax(args.batch, args.prompt_len, args.decode_steps, args.repeats)
-    theirs, err = bench_torch(args.batch, args.prompt_len, args.decode_steps, args.repeats, threads)
-    if theirs is not None and theirs.get("n_params") not in (None, ours["n_params"]):
-        print(f"# note: parameter counts differ: k31jax {ours['n_params']:,} vs torch {theirs['n_params']:,}")
-    print(f"{'':24}{'k31jax (jit)':>14}{'transformers':>14}{'ratio':>8}")
+    ap.add_argument("--record", action="store_true", help="write the block into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="record even under load (marked)")
+    args = ap.parse_args(argv)
+    if torch_python() is None:
+        raise SystemExit("no torch venv: run scripts/make_torch_venv.sh or set K31JAX_TORCH_PYTHON")
+    session = Session()
+    ours, n_params = k31jax_side(args.batch, args.prompt_len, args.decode_steps)
+    facts: dict = {}
+    stats = alternate({"k31jax": ours,
+                       "transformers": lambda: torch_round(args.batch, args.prompt_len, args.decode_steps,
+                                                           session.cores, facts)}, args.repeats)
+    session.finish()
+    lines = [f"config: Kimi Linear shape, hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
+             f"{CONFIG['num_experts']} experts top-{CONFIG['num_experts_per_token']}, {n_params:,} params, float32; "
+             f"batch {args.batch}, prompt {args.prompt_len}, {args.decode_steps} decode steps; median [min, max] of "
+             f"{args.repeats} alternating rounds",
+             f"{'':16}{'k31jax (jit)':>26}{'transformers':>26}{'ratio':>8}"]
     for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s")):
-        t = theirs[key] if theirs else float("nan")
-        print(f"{label:24}{ours[key]:14.1f}{t:14.1f}{ours[key] / t:8.2f}x")
-    if theirs is None:
-        print(f"# transformers not run: {err}")
-    else:
-        print(f"# transformers {theirs['transformers']}, torch {theirs['torch']}, code path {theirs['code_path']}")
+        a, b = stats["k31jax"][key], stats["transformers"][key]
+        lines.append(f"{label:16}{str(a):>26}{str(b):>26}{ratio(a, b):7.2f}x")
+    if facts.get("n_params") not in (None, n_params):
+        lines.append(f"note: parameter counts differ: k31jax {n_params:,} vs transformers {facts['n_params']:,}")
+    lines.append(f"transformers {facts['transformers']}, torch {facts['torch']}, code path {facts['code_path']}")
+    print("# forward benchmark  " + session.header())
+    print("\n".join(lines))
+    if args.record:
+        record("forward", lines, session, force=args.force)
 
 
 if __name__ == "__main__":

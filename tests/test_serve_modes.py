@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import cli_env
+from conftest import cli_env, subprocess_env
 
 from k31jax.cli import main
 from k31jax.generate import Engine, Request, load_model
@@ -34,8 +34,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in cli_env().items() if not k.startswith(("XLA_FLAGS", "JAX_NUM_CPU"))}
-    return {**env, "JAX_PLATFORMS": "cpu"}
+    return subprocess_env(cli_env())
 
 
 def _serve(log: Path, *args: str) -> subprocess.Popen:

@@ -1,13 +1,13 @@
 """A real 2-process run on localhost (jax.distributed, CPU gloo collectives, 2 CPU devices
 each): the sharded `tiny` forward equals the single-process one."""
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import subprocess_env
 from flax import nnx
 
 from k31jax import K31ForCausalLM, ModelConfig
@@ -24,8 +24,7 @@ def _free_port() -> int:
 def test_two_processes_equal_single_process(tmp_path):
     out = tmp_path / "logits.npz"
     port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_NUM_CPU"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", port, "expert=2,tensor=2", str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
