@@ -1,9 +1,12 @@
 """The one benchmark method every script in `benchmarks/` follows (issue #16).
 
 - `Session`: what the machine was doing. The date, CPU, core count, jax version, a measured
-  copy bandwidth, and the load average before and after. `loaded` is True when either load
-  average exceeds the core count: other processes then share the cores, and a ratio taken that
-  way is not a result (a 12.6x measured under load 3-6 was 1.9x on a quiet machine).
+  copy bandwidth, the load average before and after, and the CPU that *other* processes used
+  meanwhile (machine busy time from /proc/stat minus this process tree's). `loaded` is True
+  when other processes took more than a tenth of the cores: they then shared the cores, and a
+  ratio taken that way is not a result (a 12.6x measured under load 3-6 was 1.9x on a quiet
+  machine). The load average alone cannot tell: a benchmark that keeps every core busy itself
+  sits at a load of about the core count. Without /proc, `loaded` is load > cores.
 - `alternate(sides, repeats)`: the sides (k31jax and its peer) run in turn, one repeat each,
   after one warm-up each, so a change in machine load hits both alike.
 - `Stats`: median, minimum and maximum of the repeats; `ratio` divides medians.
@@ -49,6 +52,73 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _machine_busy_ticks() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq + steal
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+
+
+def _tree_ticks() -> int | None:
+    """CPU ticks of this process, its reaped children and its live descendants (a peer side
+    running in a child process is part of the benchmark, not other load)."""
+    try:
+        own = _stat_fields("self")
+        total = sum(int(v) for v in own[11:15])  # utime, stime, cutime, cstime
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    parents[int(entry)] = int(_stat_fields(entry)[1])
+                except (OSError, IndexError, ValueError):
+                    continue  # exited meanwhile
+    except OSError:
+        return None
+    tree, grew = {os.getpid()}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    for pid in tree - {os.getpid()}:
+        try:
+            total += sum(int(v) for v in _stat_fields(pid)[11:13])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class OtherCPU:
+    """Cores' worth of CPU that processes outside this one's tree use between `start()` and
+    `stop()` (accumulating over several intervals); None where /proc is missing."""
+
+    def __init__(self):
+        self.ticks, self.seconds, self._mark = 0, 0.0, None
+
+    def start(self) -> None:
+        self._mark = (_machine_busy_ticks(), _tree_ticks(), time.perf_counter())
+
+    def stop(self) -> None:
+        busy0, own0, t0 = self._mark
+        busy1, own1 = _machine_busy_ticks(), _tree_ticks()
+        if None not in (busy0, own0, busy1, own1):
+            self.ticks += max(0, (busy1 - busy0) - (own1 - own0))
+            self.seconds += time.perf_counter() - t0
+
+    def cores(self) -> float | None:
+        if not self.seconds:
+            return None
+        return self.ticks / os.sysconf("SC_CLK_TCK") / self.seconds
+
+
 @dataclasses.dataclass
 class Session:
     """The machine during one benchmark run; `finish()` takes the closing load average."""
@@ -60,23 +130,34 @@ class Session:
     load_after: float | None = None
     bandwidth_gbs: float = dataclasses.field(default_factory=copy_bandwidth_gbs)
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    other: OtherCPU = dataclasses.field(default_factory=OtherCPU)
+
+    def __post_init__(self):
+        self.other.start()
 
     def finish(self) -> Session:
+        if self.load_after is None:
+            self.other.stop()
         self.load_after = os.getloadavg()[0]
         return self
 
     @property
     def loaded(self) -> bool:
+        other = self.other.cores()
+        if other is not None:
+            return other > 0.1 * self.cores
         return max(self.load_before, self.load_after if self.load_after is not None else 0.0) > self.cores
 
     def header(self) -> str:
         import jax
 
         after = f"{self.load_after:.1f}" if self.load_after is not None else "?"
-        mark = f"  **UNDER LOAD (> {self.cores} cores): not a result**" if self.loaded else ""
+        other = self.other.cores()
+        other_text = "" if other is None else f", other processes {other:.2f} cores"
+        mark = f"  **UNDER LOAD (other processes shared the {self.cores} cores): not a result**" if self.loaded else ""
         return (f"{self.date}, {self.cpu}, {self.cores} cores, jax {jax.__version__}, copy bandwidth "
-                f"{self.bandwidth_gbs:.1f} GB/s, load average {self.load_before:.1f} before / {after} after, "
-                f"{time.perf_counter() - self.started:.0f} s{mark}")
+                f"{self.bandwidth_gbs:.1f} GB/s, load average {self.load_before:.1f} before / {after} after"
+                f"{other_text}, {time.perf_counter() - self.started:.0f} s{mark}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +206,8 @@ def record(section: str, lines: Sequence[str], session: Session, *, force: bool 
     if session.load_after is None:
         session.finish()
     if session.loaded and not force:
-        print(f"# not recorded in {results.name}: load average {session.load_before:.1f} / {session.load_after:.1f} "
-              f"exceeds {session.cores} cores (rerun on a quiet machine, or --force to record it marked)")
+        print(f"# not recorded in {results.name}: other processes shared the {session.cores} cores "
+              f"({session.header()}); rerun on a quiet machine, or --force to record it marked")
         return False
     begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
     block = "\n".join([begin, f"`{section}`: {session.header()}", "", "```", *lines, "```", end])

@@ -20,7 +20,7 @@
   bandwidth floor tok/s = batch / (step floor bytes / measured copy bandwidth).
 - Method (`benchmarks/_harness.py`): the two sides alternate, one warm-up each, then --repeats
   rounds; median [min, max]; load average before and after; `--record` writes RESULTS.md only
-  when the load stayed under the core count (`--force` records it marked as under load).
+  when no other process shared the cores (`--force` records it marked as under load).
 """
 
 from __future__ import annotations

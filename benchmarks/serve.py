@@ -41,8 +41,8 @@ Method (`benchmarks/_harness.py`): in each part the two sides alternate, one war
 (throughput: every program of the run compiled and run once with 2 output tokens), then
 `--repeats` rounds; median [min, max]; the 1-minute load average before and after every timed
 run (it counts this benchmark's own 2 busy threads) and the CPU other processes used during
-the timed runs (machine busy time from /proc/stat minus this process's). `--record` writes the printed block into RESULTS.md (refused when the load exceeded
-the core count, unless `--force`, which marks it as measured under load).
+the timed runs (`_harness.OtherCPU`). `--record` writes the printed block into RESULTS.md
+(refused when other processes shared the cores, unless `--force`, which marks it).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record  # noqa: E402
+from _harness import OtherCPU, Session, alternate, ratio, record  # noqa: E402
 
 from k31jax.generate import Engine, PrefixCache, Request, SamplingParams, Scheduler, load_model  # noqa: E402
 
@@ -110,35 +110,12 @@ def load_now() -> float:
     return os.getloadavg()[0]
 
 
-def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return user + nice + system + irq + softirq + steal
-
-
-def _own_ticks() -> int:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-class Foreign:
-    """CPU time other processes take during the timed runs (the load average cannot tell them
-    from this benchmark's own busy threads)."""
-
-    def __init__(self):
-        self.seconds = self.ticks = 0.0
-
-    def cores(self) -> float:
-        return self.ticks / os.sysconf("SC_CLK_TCK") / max(self.seconds, 1e-9)
-
-
-def timed(fn, loads: list[str], foreign: Foreign):
+def timed(fn, loads: list[str], foreign: OtherCPU):
     """Run `fn`, noting the 1-minute load average before and after and other processes' CPU."""
-    before, t0, busy0, own0 = load_now(), time.perf_counter(), _busy_ticks(), _own_ticks()
+    before = load_now()
+    foreign.start()
     out = fn()
-    foreign.ticks += (_busy_ticks() - busy0) - (_own_ticks() - own0)
-    foreign.seconds += time.perf_counter() - t0
+    foreign.stop()
     loads.append(f"{before:.1f}/{load_now():.1f}")
     return out
 
@@ -226,7 +203,7 @@ def throughput(args, lm, ids, say: Lines) -> None:
     ideal = sum(max(clients[c][k].max_new_tokens for c, k in g) for g in groups) / (outs.sum() / args.max_batch)
     sched.start()
     loads = {"continuous": [], "static": []}
-    foreign = Foreign()
+    foreign = OtherCPU()
     try:
         # the continuous side's short warm-up round (the static one ran above, compiling)
         continuous_side(sched, [[dataclasses.replace(r, max_new_tokens=2) for r in c] for c in clients])()
@@ -250,7 +227,7 @@ def throughput(args, lm, ids, say: Lines) -> None:
         f"(target >= 2x; ideal for these lengths {ideal:.2f}x)")
     say(f"TTFT p50 ratio (static / continuous): {ratio(s['ttft_p50_ms'], c['ttft_p50_ms']):.2f}x")
     say(f"1-min load before/after each timed run: continuous {' '.join(loads['continuous'])}; "
-        f"static {' '.join(loads['static'])}; other processes' CPU during them: {foreign.cores():.2f} cores")
+        f"static {' '.join(loads['static'])}; other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
 
 
 def session(args, lm, ids, say: Lines) -> None:
@@ -275,7 +252,7 @@ def session(args, lm, ids, say: Lines) -> None:
             first = sched.submit(Request(turn1, max_new_tokens=args.reply, stop_ids=frozenset())).result(timeout=3600)
             turn2 = turn1 + first.completion.tokens + question
             loads = {"resumed": [], "cold": []}
-            foreign = Foreign()
+            foreign = OtherCPU()
             st = alternate({"resumed": session_side(sched, turn1, args.reply, turn2, True, loads["resumed"], foreign),
                             "cold": session_side(sched, turn1, args.reply, turn2, False, loads["cold"], foreign)},
                            args.repeats)
@@ -283,7 +260,7 @@ def session(args, lm, ids, say: Lines) -> None:
             say(f"{hist:>8}{len(turn2):>15}{str(r['ttft_ms']):>28}{int(r['cached'].median):>8}"
                 f"{str(c['ttft_ms']):>28}{ratio(c['ttft_ms'], r['ttft_ms']):>13.2f}x")
             say(f"{'':8}1-min load before/after each timed run: resumed {' '.join(loads['resumed'][1:])}; "
-                f"cold {' '.join(loads['cold'][1:])}; other processes' CPU: {foreign.cores():.2f} cores")
+                f"cold {' '.join(loads['cold'][1:])}; other processes' CPU: {foreign.cores() or 0:.2f} cores")
     finally:
         sched.stop()
     say("target: >= 3x faster time to first token at a few thousand tokens of history")
