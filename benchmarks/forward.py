@@ -79,7 +79,7 @@ def k31jax_side(batch, prompt_len, steps):
     max_len = prompt_len + steps + 1
 
     def run_prefill():
-        return jax.block_until_ready(prefill(state, k31jax.init_cache(cfg, batch, max_len), tokens))
+        return jax.block_until_ready(prefill(state, model.init_cache(batch, max_len), tokens))
 
     first, cache = run_prefill()  # compile
     jax.block_until_ready(decode_n(state, cache, first))  # compile
