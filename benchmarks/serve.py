@@ -6,7 +6,7 @@ numbers are the scheduler's and the engine's.
     .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--requests-per-client 4] [--max-batch 8]
                                          [--repeats 3] [--record]
 
-Model: the embedded default model (`load_model()`: 3.2M parameters, hidden 128, 8 layers, what
+Model: the embedded default model (`load_model()`: 4.5M parameters, hidden 128, 8 layers, what
 `k31jax serve` serves without --ckpt) unless `--config PRESET` (seeded random weights).
 Prompts are Python standard-library source text (what the embedded model was trained on).
 
@@ -58,9 +58,7 @@ import threading
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,6 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _harness import OtherCPU, Session, alternate, ratio, record  # noqa: E402
 
+from k31jax import count_params  # noqa: E402
 from k31jax.generate import Engine, PrefixCache, Request, SamplingParams, Scheduler, load_model  # noqa: E402
 
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib/_local.py", "dataclasses.py")
@@ -289,7 +288,7 @@ def main(argv=None) -> None:
     sess = Session()
     say = Lines()
     lm = load_model(config=args.config)
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(lm.model)))
+    n_params = count_params(lm.model.config).total  # packed MXFP4 stores two parameters per byte
     say(f"model: {args.config or 'the embedded default model (trained)'}, {n_params:,} parameters, "
         f"{lm.model.config.dtype}")
     ids = corpus_ids(lm.tokenizer)
