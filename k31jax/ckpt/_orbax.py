@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
 from ..nn import K31ForCausalLM, abstract_model
-from ..sharding import Rules
+from ..sharding import Rules, place_host_array
 from ..vision import VisionModel
 from ._manifest import check_checksums, check_sizes, read_manifest, require_manifest
 from ._names import stack_layers
@@ -174,9 +174,10 @@ def _stored_vision(path, stored: dict) -> dict[str, np.ndarray]:
     return {".".join(k[1:]): v for k, v in load_stored(path, keys, stored).items()}
 
 
-def _is_orbax(path: Path) -> bool:
-    # The converter's output: Orbax's metadata file, no safetensors shards.
-    return (path / "_CHECKPOINT_METADATA").exists() or not any(path.glob("*.safetensors"))
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+    """A finalized Orbax checkpoint (the converter's output), not a safetensors folder."""
+    p = Path(path)
+    return (p / "_CHECKPOINT_METADATA").exists() or (p.is_dir() and not any(p.glob("*.safetensors")))
 
 
 def load_checkpoint_vision(path: str | os.PathLike, config: ModelConfig | None = None, *, dtype=None,
@@ -196,7 +197,7 @@ def load_checkpoint_vision(path: str | os.PathLike, config: ModelConfig | None =
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    if _is_orbax(path):
+    if is_orbax_checkpoint(path):
         info = checkpoint_info(path)
         cfg = config or checkpoint_config(info)
         vision_config_of(cfg, path)  # before reading any tensor
@@ -231,7 +232,7 @@ def _resolve_shardings(shardings, targets: dict) -> dict[tuple[str, ...], object
 def _place(host: np.ndarray, sharding) -> jax.Array:
     if sharding is None:
         return jnp.asarray(host)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return place_host_array(host, sharding)
 
 
 def _concat(parts: tuple, sharding) -> jax.Array:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ..ckpt import checkpoint_config, checkpoint_info, load_checkpoint
 from ..config import ModelConfig
 from ..nn import CACHE_AXES, Cache, K31ForCausalLM, abstract_model, init_cache
-from ..sharding import Rules, current_rules, get_rules, logical_to_spec
+from ..sharding import Rules, current_rules, get_rules, logical_to_spec, place_host_array
 
 
 def _mesh_shape(mesh) -> dict[str, int]:
@@ -113,8 +113,7 @@ def _put(x, sharding: NamedSharding):
         return jax.device_put(x, sharding)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global (built under the mesh)
         return jax.jit(lambda a: a, out_shardings=sharding)(x)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return place_host_array(np.asarray(x), sharding)
 
 
 def shard_model(model, mesh, rules: Rules | str | None = None):

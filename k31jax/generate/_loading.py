@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ByteTokenizer, KimiTokenizer
-from ..ckpt import load_checkpoint, load_checkpoint_vision, load_hf_weights
+from ..ckpt import is_orbax_checkpoint, load_checkpoint, load_checkpoint_vision, load_hf_weights
 from ..config import ModelConfig, VisionConfig
 from ..nn import K31ForCausalLM
 from ..vision import VisionModel, load_vision_model, release_shapes
@@ -73,12 +73,6 @@ class LoadedModel:
                                  "image inputs need a checkpoint with one")
             self.vision, self.vision_banner = self.vision_loader()
         return self.vision
-
-
-def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
-    """A finalized Orbax checkpoint (the converter's output), not a safetensors folder."""
-    p = Path(path)
-    return (p / "_CHECKPOINT_METADATA").exists() or (p.is_dir() and not any(p.glob("*.safetensors")))
 
 
 def _load_orbax(path: Path, dtype):

@@ -79,3 +79,10 @@ def activate(mesh, rules: Rules | str | None = None):
     rules = get_rules(rules) or current_rules(dict(mesh.shape))
     with jax.set_mesh(mesh), use_rules(rules):
         yield mesh
+
+
+def place_host_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array from a host copy: each device takes its own slice, which is also right
+    when the sharding spans several processes (every process holds the same host values),
+    where `jax.device_put` is not."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

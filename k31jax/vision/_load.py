@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..config import VisionConfig
-from ..sharding import logical_to_spec
+from ..sharding import logical_to_spec, place_host_array
 from ._modules import VisionModel, abstract_vision_model
 
 TOWER, PROJECTOR = "vision_tower.", "mm_projector."
@@ -123,12 +123,12 @@ def load_vision_model(tensors, cfg: VisionConfig, *, dtype="bfloat16", mesh: jax
                                   f"expected {list(var.shape)}")
         value = np.asarray(value).astype(var.dtype)
         if sharding is not None:
-            values[path] = _place(value, sharding)
+            values[path] = place_host_array(value, sharding)
         elif mesh is None:
             values[path] = jnp.asarray(value)
         else:
             spec = logical_to_spec(_logical_axes(var), value.shape, dict(mesh.shape), rules)
-            values[path] = _place(value, NamedSharding(mesh, spec))
+            values[path] = place_host_array(value, NamedSharding(mesh, spec))
     state = nnx.to_pure_dict(abstract)
     for path, value in values.items():
         node = state
@@ -137,12 +137,6 @@ def load_vision_model(tensors, cfg: VisionConfig, *, dtype="bfloat16", mesh: jax
         node[path[-1]] = value
     nnx.replace_by_pure_dict(abstract, state)
     return nnx.merge(graphdef, abstract)
-
-
-def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    # Each device takes its own slice of the host copy: also right when the sharding spans
-    # several processes (every process holds the same tensors), where `device_put` is not.
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _flatten(tree, prefix=()):
