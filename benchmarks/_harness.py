@@ -30,6 +30,13 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
+def torch_python() -> str | None:
+    """The torch venv's interpreter for the peer side ($K31JAX_TORCH_PYTHON, else ./.torchvenv,
+    made by scripts/make_torch_venv.sh), or None when there is none."""
+    py = os.environ.get("K31JAX_TORCH_PYTHON") or str(RESULTS.parents[1] / ".torchvenv" / "bin" / "python")
+    return py if Path(py).exists() else None
+
+
 def copy_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
     """Memory bandwidth from a large array copy (read + write bytes / time), best of repeats."""
     a = np.ones(mb * (1 << 20) // 4, np.float32)

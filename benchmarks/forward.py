@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import k31jax  # noqa: E402
-from _harness import Session, alternate, ratio, record  # noqa: E402
+from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
 
 # A small Kimi Linear: 8 layers (MLA at 0-indexed 3 and 7), hidden 256, 32 experts top-4.
 CONFIG = {
@@ -93,11 +93,6 @@ def k31jax_side(batch, prompt_len, steps):
         return {"prefill_tok_s": batch * prompt_len / (t1 - t0), "decode_tok_s": batch * steps / (t2 - t1)}
 
     return one_round, k31jax.count_params(cfg).total
-
-
-def torch_python() -> str | None:
-    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
-    return py if Path(py).exists() else None
 
 
 def torch_round(batch, prompt_len, steps, threads, facts: dict) -> dict[str, float]:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record  # noqa: E402
+from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
 
 CONFIG = {
     "model_type": "kimi_linear", "vocab_size": 32768, "hidden_size": 512, "num_hidden_layers": 12,
@@ -104,11 +104,6 @@ def k31jax_side(batch, context, new_tokens, chunk):
 
     return run, dict(compile_s=engine.compile_seconds, xla_bytes_per_step=float(cost.get("bytes accessed", float("nan"))),
                      n_params=k31jax.count_params(cfg).total, cfg=cfg, jax=jax.__version__)
-
-
-def torch_python() -> str | None:
-    py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
-    return py if Path(py).exists() else None
 
 
 def bench_torch(batch, context, new_tokens, repeats, threads, experts_impl, timeout):

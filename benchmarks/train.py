@@ -67,6 +67,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import torch_python  # noqa: E402
 
 # The forward.py config (a small Kimi Linear: MLA at 1-indexed 4 and 8, KDA elsewhere).
 CONFIG = {
@@ -156,9 +159,9 @@ class TorchSide:
     """The torch runner subprocess: one warm-up at start, then one timed repeat per `run()`."""
 
     def __init__(self, args, threads: int):
-        py = os.environ.get("K31JAX_TORCH_PYTHON", str(ROOT / ".torchvenv" / "bin" / "python"))
-        if not Path(py).exists():
-            raise FileNotFoundError(f"no torch venv at {py} (make one with scripts/make_torch_venv.sh, or set "
+        py = torch_python()
+        if py is None:
+            raise FileNotFoundError("no torch venv (make one with scripts/make_torch_venv.sh, or set "
                                     "K31JAX_TORCH_PYTHON); pass --no-torch to time k31jax alone")
         self._config = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump(CONFIG, self._config)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record  # noqa: E402
+from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
 
 K3_WIDTH = dict(patch_size=14, hidden=1024, heads=12, qkv=1536, mlp=4096, pos_h=64, pos_w=64, text=7168, merge=2,
                 projector_eps=1e-5)
@@ -77,11 +77,6 @@ def _png(size: int) -> bytes:
     return buf.getvalue()
 
 
-def _torch_python() -> str | None:
-    cand = os.environ.get("K31JAX_TORCH_PYTHON") or str(ROOT / ".torchvenv" / "bin" / "python")
-    return cand if Path(cand).exists() else None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=27)
@@ -97,7 +92,7 @@ def main(argv=None):
     from k31jax.config import VisionConfig
     from k31jax.vision import VisionModel, pack_images, preprocess_image
 
-    torch_py = _torch_python()
+    torch_py = torch_python()
     if torch_py is None:
         sys.exit("vision.py: the torch peer needs ./.torchvenv (or $K31JAX_TORCH_PYTHON): a ratio needs both sides")
     session = Session()
