@@ -83,6 +83,33 @@ def test_pipelining_changes_nothing(engine, model, tok):
     assert serial.generate(prompts, 12, stop_ids=NO_STOP).tokens == ref
 
 
+def test_layer_rows_engine_equals_the_scanned_one(engine, model, tok):
+    """The per-layer-rows engine (the CPU default for wide layers) generates the scanned
+    engine's tokens, greedy and sampled; the default picks rows only where they pay off."""
+    rows = Engine(model, tok, max_len=MAX_LEN, prefill_chunk=CHUNK, layer_rows=True)
+    def q_proj(eng):
+        return jax.tree.leaves(eng.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
+
+    assert isinstance(q_proj(rows), tuple) and len(q_proj(rows)) == len(model.config.kda_layers)
+    assert not isinstance(q_proj(engine), tuple)  # tiny: the scan pays off
+    prompts = [_prompt(5, 1), _prompt(17, 2), _prompt(40, 3)]
+    for params in (None, SamplingParams(**SAMPLED, seed=3)):
+        assert (rows.generate(prompts, 12, params, stop_ids=NO_STOP).tokens
+                == engine.generate(prompts, 12, params, stop_ids=NO_STOP).tokens)
+
+
+def test_layer_rows_default_follows_the_layer_width():
+    from k31jax.generate._engine import _rows_pay_off
+    from k31jax.nn import abstract_model
+
+    def pays(cfg):
+        return _rows_pay_off(nnx.state(abstract_model(cfg)), cfg.num_hidden_layers)
+
+    assert not pays(tiny_config())
+    wide = tiny_config(hidden_size=512, intermediate_size=1536, kda_num_heads=8, kda_head_dim=64)
+    assert pays(wide) == (jax.default_backend() == "cpu")
+
+
 SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.2)
 
 

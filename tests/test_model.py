@@ -1,6 +1,8 @@
 """Whole-model properties on tiny configs: cached prefill + decode == full forward, scan ==
 unrolled, padding is exact, bf16 tracks f32."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 from conftest import kimi_linear_tiny_config, tiny_config
 
 from k31jax import Backends
-from k31jax.nn import MLAMixer
+from k31jax.nn import MLAMixer, unstack_layers
 
 GATHER = Backends(sparse="gather")  # the selected-rows attention in prefill too
 
@@ -116,6 +118,47 @@ def test_decode_reads_the_layer_weights_in_place(make_model):
     cost = cost[0] if isinstance(cost, list) else cost
     stored = sum(x.nbytes for x in jax.tree.leaves((state, cache)))
     assert cost["bytes accessed"] < 3 * stored, (cost["bytes accessed"], stored)
+
+
+def _weight_row_copies(compiled) -> int:
+    """Copy-only slice ops (no compute fused in) of the compiled entry computation whose
+    operand is a model weight (a parameter of the argument named `weights`): on XLA:CPU each
+    is a copy of a layer's row of a stack, made before a matmul reads it."""
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    copies = 0
+    for line in entry.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%((?:wrapped_)?(?:dynamic-)?slice(?:_bitcast)?(?:_fusion)?)[.\d]* = .*?\((.*?)\)",
+                     line)
+        copies += bool(m and any(a.strip().startswith("%weights") for a in m.group(2).split(",")))
+    return copies
+
+
+def test_unstacked_layers_equal_the_stacks_and_read_weights_in_place(make_model):
+    """`unstack_layers` (the engine's CPU form): prefill and decode equal the stacked, scanned
+    model's, and the decode step takes no slice of a parameter, where the stacked step takes
+    a row copy per layer and weight (XLA:CPU materialises each before its matmul)."""
+    cfg = tiny_config()
+    model = make_model(cfg)
+    graphdef, state = nnx.split(model)
+    rows = unstack_layers(state)
+    assert unstack_layers(rows) is not rows and jax.tree.structure(unstack_layers(rows)) == jax.tree.structure(rows)
+    call = jax.jit(lambda weights, t, c: nnx.merge(graphdef, weights)(t, c))
+    tokens = _tokens(2, 23, cfg.vocab_size, seed=5)
+    outs = {}
+    for name, st in (("stacked", state), ("rows", rows)):
+        cache = model.init_cache(2, 32)
+        logits, cache = call(st, tokens[:, :19], cache)
+        steps = [logits]
+        for i in range(19, 23):
+            logits, cache = call(st, tokens[:, i:i + 1], cache)
+            steps.append(logits)
+        outs[name] = jnp.concatenate(steps, axis=1)
+    np.testing.assert_allclose(outs["rows"], outs["stacked"], rtol=1e-6, atol=1e-6)
+    token, cache = jnp.ones((2, 1), jnp.int32), model.init_cache(2, 32)
+    copies = {name: _weight_row_copies(call.lower(st, token, cache).compile())
+              for name, st in (("stacked", state), ("rows", rows))}
+    assert copies["rows"] == 0 and copies["stacked"] > cfg.num_hidden_layers, copies
 
 
 def test_left_padding_is_exact(make_model):

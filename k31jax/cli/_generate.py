@@ -105,6 +105,7 @@ def _engine(args, vision: bool | None = False):
     model = args.sharding.place(loaded.model) if getattr(args, "sharding", None) else loaded.model
     engine = Engine(model, loaded.tokenizer, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     vision=loaded.vision)
+    loaded.model = None  # the engine holds the weights (on CPU split into per-layer rows): free the stacks
     return engine, loaded.raw_completion, loaded
 
 

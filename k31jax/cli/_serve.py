@@ -96,6 +96,7 @@ def _run(args) -> int:
             print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
         engine = Engine(ctx.place(loaded.model), loaded.tokenizer, max_len=args.max_len,
                         prefill_chunk=args.prefill_chunk, vision=loaded.vision)
+        loaded.model = None  # the engine holds the weights (on CPU split into per-layer rows): free the stacks
         scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                               prefill_chunk=args.prefill_chunk,
                               prefix_cache_bytes=args.prefix_cache_mb << 20, sync=sync)

@@ -17,6 +17,9 @@
 - The model is split once (``nnx.split``); jitted functions are pure in
   ``(graphdef, backends, state, cache, …)`` with the cache (and the sampler's ``seen`` mask)
   donated. ``backends`` (`k31jax.ops.Backends`) picks the hot paths' implementations.
+- **Layer rows.** On CPU, for wide layers, the engine keeps the layer stacks split into
+  per-layer arrays (`k31jax.nn.unstack_layers`) and runs the stack unrolled: XLA:CPU copies
+  each row of a stack before a matmul reads it (a 331M model's decode step took 1.8x longer).
 - **Images** (``Request.images``, with a ``vision`` model): the vision model runs once per
   request before prefill (one program per patch-count bucket); each prefill call that holds
   ``<|media_pad|>`` positions splices the request's rows there (one image prefill program per
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -36,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ThinkingBudget
-from ..nn import Cache, init_cache
+from ..nn import LAYER_STACKS, Cache, init_cache, unstack_layers
 from ..ops import Backends
 from ..vision import ImagePrompts, ImageProcessorConfig, splice_image_embeddings
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
@@ -112,6 +116,27 @@ _JITS = {
 }
 
 
+# Per layer, the unrolled stack costs a CPU decode step ~0.2 ms more than the scan (93 layers
+# at tiny widths), and a scanned layer's row copies ~0.18 ms per MB of its weights other than
+# the routed experts (those are gathered by row, never copied whole): benchmarks/scan.py,
+# RESULTS.md "## scan". Per-layer rows pay off above about 1 MB of such weights per layer.
+ROWS_MIN_LAYER_BYTES = 1 << 20
+ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
+
+
+def _rows_pay_off(state, num_layers: int) -> bool:
+    """The engine's default `layer_rows`: on CPU, when a layer's copied weights exceed
+    `ROWS_MIN_LAYER_BYTES` and the row copy takes at most a quarter of the machine's memory."""
+    if jax.default_backend() != "cpu":
+        return False
+    stacks = {kind: state[kind] for kind in LAYER_STACKS if kind in state}
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stacks))
+    routed = sum(x.size * x.dtype.itemsize for name in ROUTED_EXPERTS if "moe" in stacks and name in stacks["moe"]
+                 for x in jax.tree.leaves(stacks["moe"][name]))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return (total - routed) / num_layers >= ROWS_MIN_LAYER_BYTES and total <= memory // 4
+
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None))
@@ -177,11 +202,17 @@ class Engine:
     backends       the hot paths' implementations (`k31jax.ops.Backends`; default
                    `Backends()`, whose kernel choice comes from `$K31JAX_KERNELS`).
     vision         a `k31jax.vision.VisionModel` for requests with images (or `set_vision`).
+    layer_rows     keep the layer weights as per-layer arrays, every layer unrolled (one copy
+                   of the layer weights made here; the caller's model keeps its stacks, so
+                   drop it to free them). Default (`_rows_pay_off`): on a CPU backend, for
+                   layers wide enough that the scan's row copies cost more than unrolling,
+                   when the copy takes at most a quarter of the machine's memory; otherwise
+                   the stacks run as a scan.
     """
 
     def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
                  min_bucket: int = 16, stop_ids=None, pipeline: bool = True,
-                 backends: Backends | None = None, vision=None):
+                 backends: Backends | None = None, vision=None, layer_rows: bool | None = None):
         if prefill_chunk < 1 or min_bucket < 1:
             raise ValueError("prefill_chunk and min_bucket must be >= 1")
         self.config = model.config
@@ -192,6 +223,10 @@ class Engine:
         self.pipeline = pipeline
         self.backends = backends or Backends()
         self.graphdef, self.state = nnx.split(model)
+        if layer_rows is None:
+            layer_rows = _rows_pay_off(self.state, self.config.num_hidden_layers)
+        if layer_rows:
+            self.state = unstack_layers(self.state)
         if stop_ids is not None:
             self.stop_ids = frozenset(stop_ids)
         elif tokenizer is not None:

@@ -6,6 +6,12 @@ stack runs as one `lax.scan` over its repeated groups of layer kinds (`layer_gro
 time does not grow with depth and every layer's kinds are static. `scan_layers=False` unrolls
 every layer (for tests and debugging); both give identical numbers.
 
+XLA:CPU copies every row it takes from a stack (a static slice of an unrolled layer or the
+dynamic slice of a scan step) before a matmul reads it. An inference program that reads each
+weight once therefore takes the stacks split into rows (`unstack_layers`, what the engine
+does on CPU): a stack that holds a tuple of per-layer arrays is indexed without a copy, and
+the whole stack runs unrolled.
+
 One layer, top to bottom (`_layer_step`): AttnRes mix of the block snapshots and the partial
 sum (`_attn_res_input`), the token mixer (`_kda_step` / `_mla_step`), the FFN (`_dense_step`
 / `_moe_step`), each added to the running partial sum. The step functions are module-level;
@@ -204,6 +210,40 @@ def _snapshot(cfg: ModelConfig, layer_index, blocks, n_blocks, prefix):
     return blocks, n_blocks + snap.astype(jnp.int32), jnp.where(snap, jnp.zeros_like(prefix), prefix)
 
 
+LAYER_STACKS = ("norms", "kda", "mla", "dense", "moe")
+
+
+def _is_rows(a) -> bool:
+    return isinstance(a, tuple)
+
+
+def _take_row(stack, row):
+    """Row `row` of every leaf of a stacked state: an index into a stacked array, or the
+    element of a leaf already split into rows (`unstack_layers`; `row` is then static)."""
+    return jax.tree.map(lambda a: a[row], stack, is_leaf=_is_rows)
+
+
+def _holds_rows(states: dict) -> bool:
+    return any(_is_rows(a) for a in jax.tree.leaves(states["norms"], is_leaf=_is_rows))
+
+
+def unstack_layers(state: nnx.State) -> nnx.State:
+    """The model state with every layer stack's array `[n, ...]` replaced by the tuple of its
+    n rows (new arrays: one copy of the layer weights, made once).
+
+    `nnx.merge(graphdef, unstack_layers(state))` runs like the model with every layer unrolled
+    (scan_layers is ignored) and reads each layer's weights where they lie: on XLA:CPU a
+    matmul on a row of a stack reads a fresh copy of that row, three times the bytes of the
+    weight in every call (measured in benchmarks/RESULTS.md "## generate"). Inference only:
+    the training step differentiates the stacked state.
+    """
+    def split(a):
+        return a if _is_rows(a) else tuple(a[i] for i in range(a.shape[0]))
+
+    return nnx.State({key: jax.tree.map(split, sub, is_leaf=_is_rows) if key in LAYER_STACKS else sub
+                      for key, sub in state.items()})
+
+
 def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int], carry, source):
     """One decoder layer of static kinds over the carry (partial sum, block snapshots, their
     count, cache). `source` holds stacks: "index" / "mixer_slot" / "norms" (row `at[0]`), the
@@ -215,9 +255,8 @@ def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int
     prefix, blocks, n_blocks, cache = carry
     layer, mixer_row, ffn_row = at
     row = dict(index=source["index"][layer], mixer_slot=source["mixer_slot"][layer],
-               norms=jax.tree.map(lambda a: a[layer], source["norms"]),
-               mixer=jax.tree.map(lambda a: a[mixer_row], source["mixer"]),
-               ffn=jax.tree.map(lambda a: a[ffn_row], source["ffn"]))
+               norms=_take_row(source["norms"], layer), mixer=_take_row(source["mixer"], mixer_row),
+               ffn=_take_row(source["ffn"], ffn_row))
     norms = row["norms"]
     attn_in = _attn_res_input(cfg, norms.get("attn_res_norm"), norms.get("attn_res_proj"), blocks, n_blocks, prefix)
     if cfg.use_attn_res:
@@ -243,10 +282,11 @@ def _run_layers(call: _Call, carry, states: dict, *, scan_layers: bool, remat: s
 
     With `scan_layers`, the repeated layer groups (`layer_groups`) run as one `lax.scan` whose
     inputs are each group's slices of the stacks, and the layers around them unrolled;
-    without, every layer is unrolled. Both give identical numbers."""
+    without, or when the stacks are split into rows (`unstack_layers`), every layer is
+    unrolled. All give identical numbers."""
     cfg = call.cfg
     sched = _schedule(cfg)
-    groups = layer_groups(cfg) if scan_layers else LayerGroups(0, 1, 0)
+    groups = layer_groups(cfg) if scan_layers and not _holds_rows(states) else LayerGroups(0, 1, 0)
 
     def kinds(i):
         mixer = "mla" if sched["is_mla"][i] else "kda"
