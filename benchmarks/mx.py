@@ -2,15 +2,16 @@
 
 Usage::
 
-    python benchmarks/mx.py [--mib 256] [--repeats 5]
+    python benchmarks/mx.py [--mib 256] [--repeats 5] [--thp] [--record]
 
 Input: a float32 tensor of ``--mib`` MiB (default 256 MiB = 64 Mi elements),
 shaped ``[rows, 4096]``, blocks of 32 along the last axis, OCP floor rule.
 Throughput (GB/s, 1 GB = 1e9 bytes) always counts the bytes of the **float32
 tensor** (the quantise input, the dequantise output), so both directions are
-comparable; the bf16 row counts the same f32-equivalent bytes. Every timing is
-the median of ``--repeats`` runs after one warm-up run (jax: compile + run;
-results are ``jax.block_until_ready``-ed).
+comparable; the bf16 row counts the same f32-equivalent bytes. Method
+(`benchmarks/_harness.py`): k31jax and NumPy alternate, one warm-up each (jax:
+compile + run; results ``jax.block_until_ready``-ed), then ``--repeats`` rounds;
+median [slowest, fastest]; ``--record`` writes RESULTS.md only on a quiet machine.
 
 Two modes:
 
@@ -28,25 +29,27 @@ power-of-two scale, clamp, ml_dtypes RNE cast; LUT / ml_dtypes decode times the
 E8M0 scale), whole-array vectorised; its outputs are checked equal to k31jax's.
 
 ``bench_expert_forward`` times the routed experts with packed MXFP4 weights
-(dequantised inside the jitted graph) against bf16 weights holding the same values.
+(dequantised inside the jitted graph) against bf16 weights holding the same values,
+at decode token counts (4-64) and 512, the two alternating.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
+from _harness import Session, Stats, alternate, record  # noqa: E402
 from k31jax.quant import (  # noqa: E402
     dequantize,
     mxfp4_dequantize_packed,
@@ -150,16 +153,13 @@ def np_dequantize_packed_bf16(packed, scale, out=None, tmp=None, codes=None) -> 
 # ----------------------------------------------------------------------------
 
 
-def _median(step, state, repeats: int) -> float:
-    """Median seconds of ``state = step(state)`` after one warm-up call."""
-    state = jax.block_until_ready(step(state))
-    ts = []
-    for _ in range(repeats):
+def _timed(call):
+    """One side of `alternate`: {"s": seconds of one `call()`, results ready}."""
+    def run():
         t0 = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        ts.append(time.perf_counter() - t0)
-    del state
-    return statistics.median(ts)
+        jax.block_until_ready(call())
+        return {"s": time.perf_counter() - t0}
+    return run
 
 
 def _same(a, b) -> bool:
@@ -201,11 +201,19 @@ def bench_quant(mib: int, repeats: int) -> list[tuple]:
         want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
         ok = all(_same(g, w) for g, w in zip(got, want))
         del got, want
-        t_jf = _median(lambda _: fresh(*jax_args), None, repeats)
-        t_nf = _median(lambda _: np_fn(*np_args), None, repeats)
-        bufs = tuple(jnp.zeros(s, d) for s, d in jax_out_shapes)
-        t_jr = _median(lambda b: into(*(b if isinstance(b, tuple) else (b,)), *jax_args), bufs, repeats)
-        t_nr = _median(lambda _: np_fn(*np_args, np_out_bufs), None, repeats)
+        fresh_stats = alternate({"k31jax": _timed(lambda: fresh(*jax_args)),
+                                 "numpy": _timed(lambda: np_fn(*np_args))}, repeats)
+        bufs = [tuple(jnp.zeros(s, d) for s, d in jax_out_shapes)]
+
+        def jax_into():  # the outputs are the next call's donated buffers
+            out = into(*bufs[0], *jax_args)
+            bufs[0] = out if isinstance(out, tuple) else (out,)
+            return out
+
+        reuse_stats = alternate({"k31jax": _timed(jax_into),
+                                 "numpy": _timed(lambda: np_fn(*np_args, np_out_bufs))}, repeats)
+        t_jf, t_nf = fresh_stats["k31jax"]["s"], fresh_stats["numpy"]["s"]
+        t_jr, t_nr = reuse_stats["k31jax"]["s"], reuse_stats["numpy"]["s"]
         results.append((name, nbytes, t_jf, t_nf, t_jr, t_nr, ok))
 
     scale_shape = (r, n // BLOCK)
@@ -242,13 +250,18 @@ def bench_quant(mib: int, repeats: int) -> list[tuple]:
     return results
 
 
-def print_table(results: list[tuple]) -> None:
-    print(f"{'':33s} {'---------- fresh outputs ----------':>36s}   {'------- reused output buffers ------':>36s}")
-    print(f"{'op':33s} {'k31jax GB/s':>12s} {'NumPy GB/s':>11s} {'ratio':>8s}   "
-          f"{'k31jax GB/s':>12s} {'NumPy GB/s':>11s} {'ratio':>8s}   equal")
+def _gbs(nbytes: int, t: Stats) -> str:
+    """GB/s at the median time [at the slowest, at the fastest]."""
+    return f"{nbytes / t.median / 1e9:.2f} [{nbytes / t.high / 1e9:.2f}, {nbytes / t.low / 1e9:.2f}]"
+
+
+def table(results: list[tuple]) -> list[str]:
+    lines = [f"{'op':33s} {'k31jax GB/s':>20s} {'NumPy GB/s':>20s} {'ratio':>7s}   {'mode':6s} equal"]
     for name, nb, tjf, tnf, tjr, tnr, ok in results:
-        print(f"{name:33s} {nb / tjf / 1e9:12.2f} {nb / tnf / 1e9:11.2f} {tnf / tjf:7.1f}x   "
-              f"{nb / tjr / 1e9:12.2f} {nb / tnr / 1e9:11.2f} {tnr / tjr:7.1f}x   {'yes' if ok else 'NO'}")
+        for mode, tj, tn in (("fresh", tjf, tnf), ("reuse", tjr, tnr)):
+            lines.append(f"{name if mode == 'fresh' else '':33s} {_gbs(nb, tj):>20s} {_gbs(nb, tn):>20s} "
+                         f"{tn.median / tj.median:6.1f}x   {mode:6s} {'yes' if ok else 'NO'}")
+    return lines
 
 
 # ----------------------------------------------------------------------------
@@ -256,14 +269,15 @@ def print_table(results: list[tuple]) -> None:
 # ----------------------------------------------------------------------------
 
 
-def bench_expert_forward(repeats: int) -> None:
-    """Routed-expert forward time: packed MXFP4 (dequantised in-graph) vs bf16 weights.
+EXPERT_TOKENS = (4, 8, 16, 64, 512)
 
-    A decode-like step (few tokens, "gather" impl: reads only the chosen experts) and a
-    prefill-like one ("blocked" impl, the CPU default for many tokens), same weights (bf16 = exact dequant).
+
+def bench_expert_forward(repeats: int) -> list[str]:
+    """Routed-expert forward time: packed MXFP4 (dequantised in-graph) vs bf16 weights holding
+    the same values, at decode token counts (4-64) and one prefill-like count (512), each with
+    the form `routed_experts(impl="auto")` picks (the model's choice), the two sides alternating.
     """
     from k31jax.ops import MXFP4Weight, routed_experts
-    from k31jax.quant import mxfp4_dequantize_packed, mxfp4_quantize_packed
 
     e, k, ell, inter = 64, 4, 1024, 512
     rng = np.random.default_rng(0)
@@ -273,33 +287,31 @@ def bench_expert_forward(repeats: int) -> None:
     dense = {n: mxfp4_dequantize_packed(w.packed, w.scale, dtype=jnp.bfloat16) for n, w in packed.items()}
     nbytes = lambda ws: sum(int(np.prod(a.shape)) * a.dtype.itemsize for w in ws.values()
                             for a in (w if isinstance(w, tuple) else (w,)))
-    print(f"\nrouted-expert forward: {e} experts [{inter} x {ell}] x3, top-{k}, bf16 activations; "
-          f"weights {nbytes(dense) / 2**20:.0f} MiB bf16 vs {nbytes(packed) / 2**20:.0f} MiB packed")
-    print(f"{'tokens':>8} {'impl':>7} {'bf16 ms':>9} {'mxfp4 ms':>9} {'mxfp4/bf16':>11}  equal")
-    for n_tok, impl in ((4, "gather"), (512, "blocked")):
+    lines = [f"routed-expert forward: {e} experts [{inter} x {ell}] x3, top-{k}, bf16 activations; "
+             f"weights {nbytes(dense) / 2**20:.0f} MiB bf16 vs {nbytes(packed) / 2**20:.0f} MiB packed; "
+             f"impl as routed_experts(impl='auto') picks it",
+             f"{'tokens':>8} {'impl':>8} {'bf16 ms':>26} {'mxfp4 ms':>26} {'bf16/mxfp4':>11}  equal"]
+    for n_tok in EXPERT_TOKENS:
+        impl = "gather" if n_tok * k < e else "blocked"  # routed_experts' "auto" on CPU at these sizes
         x = jnp.asarray(rng.standard_normal((n_tok, ell)), jnp.bfloat16)
         idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n_tok)]), jnp.int32)
         w = jnp.full((n_tok, k), 1.0 / k, jnp.float32)
-        fn = jax.jit(lambda x, ws: routed_experts(x, idx, w, ws["w_gate"], ws["w_up"], ws["w_down"], impl=impl))
-        times = {}
-        outs = {}
-        for name, ws in (("bf16", dense), ("mxfp4", packed)):
-            outs[name] = jax.block_until_ready(fn(x, ws))
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(x, ws))
-                ts.append(time.perf_counter() - t0)
-            times[name] = statistics.median(ts)
-        same = bool(jnp.array_equal(outs["bf16"], outs["mxfp4"]))
-        print(f"{n_tok:>8} {impl:>7} {1e3 * times['bf16']:9.2f} {1e3 * times['mxfp4']:9.2f} "
-              f"{times['mxfp4'] / times['bf16']:10.2f}x  {'yes' if same else 'NO'}")
+        fn = jax.jit(lambda x, ws: routed_experts(x, idx, w, ws["w_gate"], ws["w_up"], ws["w_down"]))
+        same = bool(jnp.array_equal(fn(x, dense), fn(x, packed)))
+        stats = alternate({"bf16": _timed(lambda: fn(x, dense)), "mxfp4": _timed(lambda: fn(x, packed))}, repeats)
+        b16, mx = stats["bf16"]["s"], stats["mxfp4"]["s"]
+        ms = lambda t: f"{1e3 * t.median:.2f} [{1e3 * t.low:.2f}, {1e3 * t.high:.2f}]"
+        lines.append(f"{n_tok:>8} {impl:>8} {ms(b16):>26} {ms(mx):>26} {b16.median / mx.median:10.2f}x  "
+                     f"{'yes' if same else 'NO'}")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="size of the float32 tensor in MiB")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="recorded rounds, each side once per round (>= 3)")
+    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
     ap.add_argument("--thp", action="store_true",
                     help=f"re-run with GLIBC_TUNABLES={THP_TUNABLE} (huge pages for XLA's buffers)")
     args = ap.parse_args()
@@ -307,16 +319,18 @@ def main() -> None:
         env = dict(os.environ, GLIBC_TUNABLES=THP_TUNABLE)
         argv = [a for a in sys.argv if a != "--thp"]
         os.execve(sys.executable, [sys.executable, *argv], env)
-    t0 = time.perf_counter()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs); "
-          f"ml_dtypes {ml_dtypes.__version__}; numpy {np.__version__}; "
-          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}")
-    print(f"input: float32 [{args.mib * 2**20 // 4 // COLS}, {COLS}] = {args.mib} MiB; block {BLOCK} "
-          f"on the last axis; floor rule; GB/s counts the f32 tensor's bytes; median of "
-          f"{args.repeats} after a warm-up\n")
-    print_table(bench_quant(args.mib, args.repeats))
-    bench_expert_forward(args.repeats)
-    print(f"\ntotal {time.perf_counter() - t0:.1f} s")
+    session = Session()
+    lines = [f"ml_dtypes {ml_dtypes.__version__}; numpy {np.__version__}; "
+             f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}",
+             f"input: float32 [{args.mib * 2**20 // 4 // COLS}, {COLS}] = {args.mib} MiB; block {BLOCK} on the last "
+             f"axis; floor rule; GB/s counts the f32 tensor's bytes, at the median [slowest, fastest] time of "
+             f"{args.repeats} alternating rounds after a warm-up; fresh = new outputs, reuse = donated buffers",
+             *table(bench_quant(args.mib, args.repeats)), "", *bench_expert_forward(args.repeats)]
+    session.finish()
+    print("# mx benchmark  " + session.header())
+    print("\n".join(lines))
+    if args.record:
+        record("mx", lines, session, force=args.force)
 
 
 if __name__ == "__main__":
