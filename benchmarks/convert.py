@@ -1,6 +1,6 @@
 """Converter throughput and memory vs a plain read of the same files, in one run.
 
-    python benchmarks/convert.py [--layers 24] [--experts 128] [--dir /tmp/k31jax-bench-convert] [--record]
+    python benchmarks/convert.py [--layers 24] [--experts 128] [--dir /tmp/k31jax-bench-convert] [--repeats 3] [--record]
 
 Writes a synthetic K3-shaped release (`k31jax.conversion.synthetic_config`: MXFP4
 experts dominate the bytes as in the release; the defaults give 3.07 GB in 25 shards,
@@ -15,17 +15,16 @@ and again warm:
   final rename), throughput = source bytes / wall time, and its peak RSS (VmHWM: ru_maxrss would include the parent's peak, carried across exec);
 - export: the converted checkpoint back to the release layout.
 
-The memory bound checked: peak RSS < 1.5 GB + the largest single layer. `--record` appends
-the table to benchmarks/RESULTS.md under `## convert`.
+The memory bound checked: peak RSS < 1.5 GB + the largest single layer. Method
+(`benchmarks/_harness.py`): the sides alternate, one warm-up each, then --repeats rounds;
+median [min, max]; `--record` writes RESULTS.md only on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -123,17 +122,16 @@ def run(code: str, *args) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} CPU cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
+def _side(measure, *, before=None, after=None):
+    """One side of `alternate`: untimed `before()`, then `measure()` -> {"MB/s", "rss GB"}."""
+    def run_side():
+        if before is not None:
+            before()
+        r = measure()
+        if after is not None:
+            after()
+        return {"MB/s": r["bytes"] / 1e6 / r["seconds"], "rss GB": r.get("rss", 0) / 1e9}
+    return run_side
 
 
 def main(argv=None) -> int:
@@ -141,100 +139,74 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--dir", default="/tmp/k31jax-bench-convert")
-    ap.add_argument("--repeats", type=int, default=3, help="cold runs of each measurement (the best is kept)")
-    ap.add_argument("--record", action="store_true", help="append the results to benchmarks/RESULTS.md")
+    ap.add_argument("--repeats", type=int, default=3, help="recorded rounds, each side once per round (>= 3)")
+    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic files")
     a = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _harness import Session, alternate, record
     from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
     from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
 
+    session = Session()
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     cfg = synthetic_config(a.layers, a.experts)
     layout = release_layout(cfg, placement="release")
     largest = max(sum(tensor_nbytes(t) for t in ts) for _, ts in layout)
-    t = time.perf_counter()
     src = write_synthetic_release(base / "src", cfg, placement="release")
-    gen = time.perf_counter() - t
     files = sorted(str(f) for f in src.glob("*.safetensors"))
     total = sum(os.path.getsize(f) for f in files)
-    print(f"synthetic release: {len(files)} shards, {total / 1e9:.2f} GB, largest layer {largest / 1e6:.0f} MB "
-          f"(written in {gen:.1f} s)")
 
-    results = {}
+    def fresh(path):  # not timed: removing the previous run's output
+        return lambda: shutil.rmtree(base / path, ignore_errors=True)
+
+    stats = {}
     for mode in ("cold", "warm"):
-        best = {}
-        for _ in range(a.repeats if mode == "cold" else 1):
-            if mode == "cold":
-                evict(files)
-            r = plain_read(files)
-            if not best.get("read") or r["seconds"] < best["read"]["seconds"]:
-                best["read"] = r
-            shutil.rmtree(base / "ckpt", ignore_errors=True)  # not timed: removing the previous output
-            if mode == "cold":
-                evict(files)
-            c = run(CONVERT, src, base / "ckpt")
-            if not best.get("convert") or c["seconds"] < best["convert"]["seconds"]:
-                best["convert"] = c
-        if mode == "cold":
-            evict(files)
-        best["copy"] = run(PLAIN_COPY, base / "copy", *files)
-        shutil.rmtree(base / "copy", ignore_errors=True)
-        results[mode] = best
-        read_mbs = best["read"]["bytes"] / 1e6 / best["read"]["seconds"]
-        conv_mbs = best["convert"]["bytes"] / 1e6 / best["convert"]["seconds"]
-        print(f"[{mode}] plain read {read_mbs:,.0f} MB/s ({best['read']['seconds']:.2f} s); convert "
-              f"{conv_mbs:,.0f} MB/s ({best['convert']['seconds']:.2f} s) = {100 * conv_mbs / read_mbs:.0f}% of the "
-              f"read rate; plain copy {best['copy']['bytes'] / 1e6 / best['copy']['seconds']:,.0f} MB/s; "
-              f"convert peak RSS {best['convert']['rss'] / 1e9:.2f} GB")
-    shutil.rmtree(base / "ckpt", ignore_errors=True)
-    evict(files)
-    k3c = run(CONVERT, src, base / "ckpt", 16 << 20)
-    k3c_mbs = k3c["bytes"] / 1e6 / k3c["seconds"]
-    print(f"[cold] convert with the experts chunked per expert as for K3's 4.9 GB expert leaves "
-          f"(chunk_byte_size=16 MiB here): {k3c_mbs:,.0f} MB/s")
-    shutil.rmtree(base / "exported", ignore_errors=True)
-    e = run(EXPORT, base / "ckpt", base / "exported")
-    export_mbs = e["bytes"] / 1e6 / e["seconds"]
-    print(f"export {export_mbs:,.0f} MB/s ({e['seconds']:.2f} s), peak RSS {e['rss'] / 1e9:.2f} GB")
+        first = (lambda: evict(files)) if mode == "cold" else None
+
+        def then(path, first=first):
+            def prepare():
+                fresh(path)()
+                if first is not None:
+                    first()
+            return prepare
+
+        sides = {"plain read": _side(lambda: plain_read(files), before=first),
+                 "plain copy": _side(lambda: run(PLAIN_COPY, base / "copy", *files), before=then("copy")),
+                 "convert": _side(lambda: run(CONVERT, src, base / "ckpt"), before=then("ckpt"))}
+        if mode == "cold":  # every expert leaf chunked per expert, as K3's 4.9 GB expert leaves are
+            sides["convert, chunked"] = _side(lambda: run(CONVERT, src, base / "ckpt_chunked", 16 << 20),
+                                              before=then("ckpt_chunked"))
+        stats[mode] = alternate(sides, a.repeats)
+    fresh("ckpt_chunked")()
+    fresh("copy")()
+    export = alternate({"export": _side(lambda: run(EXPORT, base / "ckpt", base / "exported"),
+                                        before=fresh("exported"))}, a.repeats)["export"]
+    session.finish()
+    peak = max(s["convert"]["rss GB"].high for s in stats.values()) * 1e9
     bound = 1.5e9 + largest
-    peak = max(results[m]["convert"]["rss"] for m in results)
-    print(f"memory: convert peak RSS {peak / 1e9:.2f} GB vs bound 1.5 GB + largest layer "
-          f"{largest / 1e9:.2f} GB = {bound / 1e9:.2f} GB -> {'OK' if peak < bound else 'EXCEEDED'}")
-
+    lines = [f"synthetic K3-shaped release (synthetic_config({a.layers}, {a.experts})): {len(files)} shards, "
+             f"{total / 1e9:.2f} GB, largest layer {largest / 1e6:.0f} MB; MXFP4 experts copied verbatim; "
+             f"cold = the source files evicted from the page cache before each run; every run a fresh process; "
+             f"convert includes fsync and the atomic rename; median [min, max] of {a.repeats} alternating rounds",
+             f"{'page cache':>10} {'side':>17} {'MB/s':>26} {'/ plain read':>13} {'/ plain copy':>13}"]
+    for mode, st in stats.items():
+        read, copy = st["plain read"]["MB/s"].median, st["plain copy"]["MB/s"].median
+        for name, s in st.items():
+            mbs = s["MB/s"]
+            lines.append(f"{mode:>10} {name:>17} {str(mbs):>26} {mbs.median / read:12.0%} {mbs.median / copy:12.0%}")
+    lines.append(f"export (checkpoint -> release layout): {export['MB/s']} MB/s")
+    lines.append(f"memory: convert peak RSS {peak / 1e9:.2f} GB (VmHWM) vs bound 1.5 GB + largest layer "
+                 f"{largest / 1e9:.2f} GB = {bound / 1e9:.2f} GB -> {'OK' if peak < bound else 'EXCEEDED'}")
+    print("# convert benchmark  " + session.header())
+    print("\n".join(lines))
     if a.record:
-        rows = []
-        for mode in ("cold", "warm"):
-            r, c = results[mode]["read"], results[mode]["convert"]
-            rm, cm = r["bytes"] / 1e6 / r["seconds"], c["bytes"] / 1e6 / c["seconds"]
-            cp = results[mode]["copy"]
-            cpm = cp["bytes"] / 1e6 / cp["seconds"]
-            rows.append(f"| {mode} | {rm:,.0f} | {cpm:,.0f} | {cm:,.0f} | {100 * cm / rm:.0f}% | {100 * cm / cpm:.0f}% | "
-                        f"{c['seconds']:.1f} | {c['rss'] / 1e9:.2f} |")
-        text = textwrap.dedent(f"""
-            ## convert
-
-            {datetime.date.today().isoformat()}, {machine()}; `python benchmarks/convert.py` (defaults).
-            Synthetic K3-shaped release (`synthetic_config({a.layers}, {a.experts})`): {len(files)} shards,
-            {total / 1e9:.2f} GB, largest layer {largest / 1e6:.0f} MB; MXFP4 experts copied verbatim. Cold =
-            the source files evicted from the page cache before each run (best of {a.repeats}); every number is
-            a fresh process; convert includes fsync of the output and the atomic rename.
-
-            | page cache | plain read MB/s | plain copy MB/s | convert MB/s | convert / read | convert / copy | convert s | convert peak RSS GB |
-            |---|---|---|---|---|---|---|---|
-            """).lstrip("\n") + "\n".join(rows) + "\n" + textwrap.dedent(f"""
-            Cold convert with every expert leaf chunked per expert (what K3's 4.9 GB expert leaves get):
-            {k3c_mbs:,.0f} MB/s. Export (checkpoint -> release layout) {export_mbs:,.0f} MB/s. Memory bound:
-            peak RSS {peak / 1e9:.2f} GB < 1.5 GB + largest layer ({bound / 1e9:.2f} GB). Load average
-            during the run: {os.getloadavg()[0]:.1f} (other sessions share the 2 cores).
-            """)
-        res = ROOT / "benchmarks" / "RESULTS.md"
-        old = res.read_text() if res.exists() else "# Benchmark results\n"
-        res.write_text(old.rstrip("\n") + "\n\n" + text)
-        print(f"recorded in {res}")
+        record("convert", lines, session, force=a.force)
     if not a.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0
