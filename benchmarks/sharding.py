@@ -8,15 +8,18 @@
    `expert=4,tensor=2` mesh: the scanned stack vs the unrolled one (lower + compile, from
    abstract sharded inputs, nothing allocated).
 
-    .venv/bin/python benchmarks/sharding.py [--tokens 2048] [--experts 64] [--repeats 5] [--skip-compile]
+    .venv/bin/python benchmarks/sharding.py [--tokens 2048] [--experts 64] [--repeats 5] [--skip-compile] [--record]
+
+Method (`benchmarks/_harness.py`): the two MoE paths alternate, one warm-up each, then
+--repeats rounds, median [min, max]; the compiles (minutes for the unrolled stack) run once
+each. `--record` writes RESULTS.md only on a quiet machine (with --skip-compile, under
+`sharding_moe`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,19 +34,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import Session, alternate, record  # noqa: E402
 from k31jax import Backends, ModelConfig, distributed, sharding  # noqa: E402
 from k31jax.nn import LatentMoE  # noqa: E402
-
-
-def _median_time(fn, repeats):
-    jax.block_until_ready(fn())  # warm-up (compile)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bench_moe(tokens: int, experts: int, repeats: int) -> dict:
@@ -53,13 +48,20 @@ def bench_moe(tokens: int, experts: int, repeats: int) -> dict:
     moe = distributed.shard_model(LatentMoE(cfg, rngs=nnx.Rngs(0)), mesh)
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((8, tokens // 8, cfg.hidden_size)),
                                    jnp.float32), jax.NamedSharding(mesh, jax.P("expert")))
-    out = {}
     with sharding.activate(mesh):
-        for name, ep in (("ep_shard_map", "dense"), ("naive_allgather", "off")):
-            f = nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep))[0])
-            out[name] = _median_time(lambda: f(moe, x), repeats)
-        a = nnx.jit(lambda m, x: m(x, backends=Backends(ep="dense"))[0])(moe, x)
-        b = nnx.jit(lambda m, x: m(x, backends=Backends(ep="off"))[0])(moe, x)
+        steps = {name: nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep))[0])
+                 for name, ep in (("ep_shard_map", "dense"), ("naive_allgather", "off"))}
+
+        def side(step):
+            def run():
+                t = time.perf_counter()
+                jax.block_until_ready(step(moe, x))
+                return {"s": time.perf_counter() - t}
+            return run
+
+        stats = alternate({name: side(step) for name, step in steps.items()}, repeats)
+        a, b = (steps[name](moe, x) for name in ("ep_shard_map", "naive_allgather"))
+    out = {name: stats[name]["s"] for name in steps}
     out["max_rel_diff"] = float(jnp.abs(a - b).max() / jnp.abs(b).max())
     out["config"] = (f"{tokens} tokens, {experts} experts top-4, latent {cfg.expert_in_dim}, "
                      f"expert width {cfg.moe_intermediate_size}, hidden {cfg.hidden_size}, f32")
@@ -92,27 +94,32 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
+    p.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
     args = p.parse_args(argv)
-    print(f"# k31jax benchmarks/sharding.py  {time.strftime('%Y-%m-%d')}  jax {jax.__version__}  "
-          f"{platform.machine()} {os.cpu_count()} cores  {len(jax.devices())} fake {jax.devices()[0].platform} devices")
+    session = Session()
     m = bench_moe(args.tokens, args.experts, args.repeats)
-    print(f"\nMoE layer step on expert=8 ({m['config']})")
-    print("| path | median step | ")
-    print("|---|---|")
-    print(f"| EP shard_map (dense all_to_all exchange) | {m['ep_shard_map'] * 1e3:.1f} ms |")
-    print(f"| naive (partitioner all-gathers the experts) | {m['naive_allgather'] * 1e3:.1f} ms |")
-    print(f"naive / EP = {m['naive_allgather'] / m['ep_shard_map']:.2f}x; outputs agree to {m['max_rel_diff']:.1e} (rel)")
+    ms = lambda t: f"{t.median * 1e3:.1f} [{t.low * 1e3:.1f}, {t.high * 1e3:.1f}] ms"
+    lines = [f"{len(jax.devices())} fake {jax.devices()[0].platform} devices; median [min, max] of "
+             f"{args.repeats} alternating rounds after a warm-up each",
+             f"MoE layer step on expert=8 ({m['config']})",
+             f"  EP shard_map (dense all_to_all exchange):      {ms(m['ep_shard_map'])}",
+             f"  naive (the partitioner all-gathers the experts): {ms(m['naive_allgather'])}",
+             f"naive / EP = {m['naive_allgather'].median / m['ep_shard_map'].median:.2f}x; outputs agree to "
+             f"{m['max_rel_diff']:.1e} (rel)"]
     if not args.skip_compile:
         c = bench_compile()
-        print(f"\nCompile, {c['layers']}-layer narrow model (K3 schedule: {c['kda']} KDA + {c['mla']} MLA, tiny widths), "
-              "prefill [4, 32] on expert=4,tensor=2")
-        print("| stack | lower | compile | total |")
-        print("|---|---|---|---|")
+        lines += [f"compile (timed once each), {c['layers']}-layer narrow model (K3 schedule: {c['kda']} KDA + "
+                  f"{c['mla']} MLA, tiny widths), prefill [4, 32] on expert=4,tensor=2"]
         for name in ("scanned", "unrolled"):
             lo, co = c[name]
-            print(f"| {name} | {lo:.1f} s | {co:.1f} s | {lo + co:.1f} s |")
-        ratio = sum(c["unrolled"]) / sum(c["scanned"])
-        print(f"unrolled / scanned = {ratio:.1f}x")
+            lines.append(f"  {name:>8}: lower {lo:.1f} s, compile {co:.1f} s, total {lo + co:.1f} s")
+        lines.append(f"unrolled / scanned = {sum(c['unrolled']) / sum(c['scanned']):.1f}x")
+    session.finish()
+    print("# sharding benchmark  " + session.header())
+    print("\n".join(lines))
+    if args.record:
+        record("sharding" if not args.skip_compile else "sharding_moe", lines, session, force=args.force)
     return 0
 
 
