@@ -234,7 +234,7 @@ def unstack_layers(state: nnx.State) -> nnx.State:
     `nnx.merge(graphdef, unstack_layers(state))` runs like the model with every layer unrolled
     (scan_layers is ignored) and reads each layer's weights where they lie: on XLA:CPU a
     matmul on a row of a stack reads a fresh copy of that row, three times the bytes of the
-    weight in every call (measured in benchmarks/RESULTS.md "## generate"). Inference only:
+    weight in every call (benchmarks/RESULTS.md "## scan" and "## generate"). Inference only:
     the training step differentiates the stacked state.
     """
     def split(a):
