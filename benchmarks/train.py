@@ -17,17 +17,15 @@ Sections (each can be skipped):
    - transformers: `benchmarks/_torch_train_runner.py` in the torch venv ($K31JAX_TORCH_PYTHON
      or ./.torchvenv/bin/python): `model(input_ids, labels).loss.backward(); opt.step()`, eager
      attention, `--torch-experts` experts; its full-vocabulary loss over T - 1 targets per row.
-   - Method: warm-up steps excluded (k31jax's compile included there); `--repeats` timed repeats
-     of `--steps-per-repeat` steps per side, alternating k31jax, torch, k31jax, torch, ...;
-     median / min / max per side and the ratio of medians; tokens/s = B * T * steps / time.
-     Both sides get the same thread count (`--threads`, default: the CPUs this process may run
-     on): `torch.set_num_threads` + OMP_NUM_THREADS on the torch side; XLA:CPU runs with
-     `--xla_cpu_multi_thread_eigen=true` and sizes its intra-op pool from the same CPU count
-     (jax 0.12 has no XLA flag to set that pool's size). `os.getloadavg()` is printed at the
-     start, before, during and after timing, and other processes' CPU use during timing is
-     measured from /proc/stat (the load average counts this benchmark's own busy threads too).
-     A 1-minute load above the core count at the start, or other processes using more than
-     half a core on average during timing, prints a WARNING: the ratio is then not a result.
+   - Method (`benchmarks/_harness.py`): warm-up steps excluded (k31jax's compile included
+     there); `--repeats` timed rounds of `--steps-per-repeat` steps per side, the sides
+     alternating; median / min / max per side and the ratio of medians; tokens/s = B * T *
+     steps / time. Both sides get the same thread count (`--threads`, default: the CPUs this
+     process may run on): `torch.set_num_threads` + OMP_NUM_THREADS on the torch side; XLA:CPU
+     runs with `--xla_cpu_multi_thread_eigen=true` and sizes its intra-op pool from the same CPU
+     count (jax 0.12 has no XLA flag to set that pool's size). The header gives the load
+     average before and after and the CPU other processes used (the torch runner is this
+     process's child, so it counts as ours); `--record` refuses a loaded run.
    - Memory: k31jax's compiled step `memory_analysis()` (temp + argument + output bytes;
      donated inputs alias outputs), and each process's peak RSS (`getrusage`), with its RSS
      after imports, since the two runtimes differ in their fixed cost.
@@ -44,9 +42,8 @@ Sections (each can be skipped):
    of the last 10 steps, the last step's, and the held-out loss (`k31jax.train.evaluate`) over
    the first `--opt-eval-batches` held-out batches (file order; 0: all of them).
 
-Writes nothing into the repository unless `--record` is given: then it appends what it printed
-to benchmarks/RESULTS.md under a "## train" heading with the date, the machine (CPU model,
-cores, RAM), jax / torch versions and load averages.
+Writes nothing into the repository unless `--record` is given: then what it printed goes into
+benchmarks/RESULTS.md as the block `bench:train` (`_harness.record`), only on a quiet machine.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import torch_python  # noqa: E402
+from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
 
 # The forward.py config (a small Kimi Linear: MLA at 1-indexed 4 and 8, KDA elsewhere).
 CONFIG = {
@@ -87,7 +84,6 @@ CONFIG = {
     "num_nextn_predict_layers": 0,
 }
 MiB = 1 << 20
-FOREIGN_CORES_MAX = 0.5  # other processes' average CPU use (cores) during timing that voids the ratio
 
 
 class Report:
@@ -99,11 +95,6 @@ class Report:
     def __call__(self, line: str = "") -> None:
         print(line, flush=True)
         self.lines.append(line)
-
-
-def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 def rss_now_mb() -> float:
@@ -118,40 +109,8 @@ def peak_rss_mb() -> float:
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
 
 
-def _busy_ticks() -> int:
-    """CPU ticks spent busy by the whole machine since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return user + nice + system + irq + softirq + steal
-
-
-def _process_ticks(pid: int | str) -> int:
-    """utime + stime of one process, all its threads (/proc/PID/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-class ForeignCpu:
-    """CPU time other processes take while this benchmark times: machine busy ticks minus
-    this process's and the torch runner's. The load average cannot tell them apart: during
-    timing it counts this benchmark's own busy threads too."""
-
-    def __init__(self, pids: list[int]):
-        self.pids = ["self", *pids]
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_ticks(), self._own()
-
-    def _own(self) -> int:
-        return sum(_process_ticks(p) for p in self.pids)
-
-    def cores(self) -> float:
-        """Average number of cores other processes kept busy since construction."""
-        ticks = (_busy_ticks() - self.busy0) - (self._own() - self.own0)
-        return ticks / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - self.t0)
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):10.1f} {min(values):10.1f} {max(values):10.1f}"
+def _tok_s(stats) -> str:
+    return f"{stats.median:10.1f} {stats.low:10.1f} {stats.high:10.1f}"
 
 
 # ---------------------------------------------------------------------------- 1. throughput
@@ -259,26 +218,25 @@ def k31jax_step(args):
     return run_steps, facts
 
 
-def throughput(args, threads: int, start_load: float, out: Report) -> dict:
+def throughput(args, threads: int, out: Report) -> dict:
     torch_side = None if args.no_torch else TorchSide(args, threads)  # warms up while k31jax compiles
     run_steps, facts = k31jax_step(args)
     info = torch_side.wait_ready() if torch_side else None
     tokens = args.batch * args.seq_len * args.steps_per_repeat
-    loads = [os.getloadavg()[0]]
-    ours, theirs = [], []
-    out(f"load average (1/5/15 min) before timing: {load_line()}")
-    foreign = ForeignCpu([torch_side.proc.pid] if torch_side else [])
-    for _ in range(args.repeats):
+    last = {}
+
+    def ours():
         t0 = time.perf_counter()
-        loss = run_steps(args.steps_per_repeat)
-        ours.append(tokens / (time.perf_counter() - t0))
-        if torch_side:
-            r = torch_side.run()
-            theirs.append(tokens / r["seconds"])
-        loads.append(os.getloadavg()[0])
-    out(f"load average (1/5/15 min) after timing:  {load_line()}")
-    foreign_cores = foreign.cores()
-    out(f"other processes' CPU use during timing: {foreign_cores:.2f} cores on average (of {threads})")
+        last["k31jax"] = run_steps(args.steps_per_repeat)
+        return {"tok/s": tokens / (time.perf_counter() - t0)}
+
+    def theirs():
+        r = torch_side.run()
+        last["torch"] = r["loss"]
+        return {"tok/s": tokens / r["seconds"]}
+
+    sides = {"k31jax": ours, **({"transformers": theirs} if torch_side else {})}
+    stats = alternate(sides, args.repeats, warmup=0)  # both sides warmed up above (their warm-up steps)
     k31jax_peak = peak_rss_mb()
     done = torch_side.close() if torch_side else None
     cfg = facts["cfg"]
@@ -296,23 +254,14 @@ def throughput(args, threads: int, start_load: float, out: Report) -> dict:
         + (f", torch {args.warmup_steps} warm-up step(s) {info['warmup_s']:.1f} s" if info else ""))
     out()
     out(f"{'tokens/s':28}{'median':>10} {'min':>10} {'max':>10}")
-    out(f"{'k31jax (jit)':28}{spread(ours)}")
-    if theirs:
-        out(f"{'transformers + torch AdamW':28}{spread(theirs)}")
-        ratio = statistics.median(ours) / statistics.median(theirs)
-        out(f"ratio of medians (k31jax / transformers): {ratio:.2f}x   (target >= 2x)")
+    out(f"{'k31jax (jit)':28}{_tok_s(stats['k31jax']['tok/s'])}")
+    if torch_side:
+        out(f"{'transformers + torch AdamW':28}{_tok_s(stats['transformers']['tok/s'])}")
+        speedup = ratio(stats["k31jax"]["tok/s"], stats["transformers"]["tok/s"])
+        out(f"ratio of medians (k31jax / transformers): {speedup:.2f}x   (target >= 2x)")
     else:
-        ratio = None
+        speedup = None
         out("transformers not run (--no-torch)")
-    out("per repeat, in order: k31jax " + " ".join(f"{v:.1f}" for v in ours)
-        + ("; transformers " + " ".join(f"{v:.1f}" for v in theirs) if theirs else "")
-        + "; 1-min load before and after each " + " ".join(f"{v:.2f}" for v in loads))
-    shared = ([f"the 1-minute load average was {start_load:.2f} > {threads} cores before the benchmark started"]
-              if start_load > threads else [])
-    if foreign_cores > FOREIGN_CORES_MAX:
-        shared.append(f"other processes used {foreign_cores:.2f} > {FOREIGN_CORES_MAX} cores during timing")
-    if shared:
-        out(f"WARNING: {' and '.join(shared)}: the CPUs were shared; the ratio above is NOT a result")
     out()
     out("memory                                    MiB")
     out(f"k31jax compiled step: temp                {facts['temp'] / MiB:10.1f}")
@@ -328,9 +277,9 @@ def throughput(args, threads: int, start_load: float, out: Report) -> dict:
         out(f"# transformers {info['transformers']}, torch {info['torch']}, experts {info['experts_implementation']}, "
             f"attention {info['attn_implementation']}, fla installed: {info['fla_installed']}, "
             f"causal_conv1d installed: {info['causal_conv1d_installed']}")
-    out(f"# final train loss on the fixed batch: k31jax {loss:.4f}"
-        + (f", torch {r['loss']:.4f}" if torch_side else ""))
-    return dict(ratio=ratio, jax=facts["jax"], torch=info["torch"] if info else None)
+    out(f"# final train loss on the fixed batch: k31jax {last['k31jax']:.4f}"
+        + (f", torch {last['torch']:.4f}" if torch_side else ""))
+    return dict(ratio=speedup, jax=facts["jax"], torch=info["torch"] if info else None)
 
 
 # ---------------------------------------------------------------------------- 2. loss memory
@@ -451,7 +400,8 @@ def main():
                     help="learning rates to run AdamW at (none: skip it)")
     ap.add_argument("--muon-lrs", type=float, nargs="*", default=[3e-3, 1e-2],
                     help="learning rates to run Muon at (none: skip it)")
-    ap.add_argument("--record", action="store_true", help="append the printed report to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="write the report into benchmarks/RESULTS.md")
+    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error(f"--repeats {args.repeats}: the project standard is at least 3")
@@ -460,32 +410,26 @@ def main():
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=true").strip()
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
+    session = Session()
     out = Report()
-    start_load = load_line()
-    t_run = time.perf_counter()
-    out(f"# train benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {machine_line(threads)}")
-    out(f"# load average (1/5/15 min) at start: {start_load}")
+    out(f"# {machine_line(threads)}")
     versions = {}
     if not args.skip_throughput:
         out("\n## throughput: k31jax train_step vs transformers kimi_linear + torch AdamW")
-        versions = throughput(args, threads, float(start_load.split()[0]), out)
+        versions = throughput(args, threads, out)
     if not args.skip_loss_memory:
         out("\n## loss memory: chunked vs full-vocabulary cross entropy (k31jax)")
         loss_memory(args, out)
     if args.compare_optimizers:
         out("\n## Muon vs AdamW (k31jax Trainer)")
         compare_optimizers(args, out)
-    import jax
-
-    out(f"\n# jax {jax.__version__}" + (f", torch {versions['torch']}" if versions.get("torch") else "")
-        + f"; load average (1/5/15 min) at end: {load_line()}; run {time.perf_counter() - t_run:.0f} s")
+    session.finish()
+    if versions.get("torch"):
+        out(f"\n# torch {versions['torch']}")
+    print("# train benchmark  " + session.header())
     if args.record:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(f"\n## train\n\n`benchmarks/train.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
-                    f"{machine_line(threads)}, jax {jax.__version__}"
-                    + (f", torch {versions['torch']}" if versions.get("torch") else "")
-                    + f"; load average {start_load} at start, {load_line()} at end.\n\n```\n"
-                    + "\n".join(out.lines) + "\n```\n")
+        record("train", [f"benchmarks/train.py {' '.join(a for a in sys.argv[1:] if a not in ('--record', '--force'))}",
+                         *out.lines], session, force=args.force)
 
 
 if __name__ == "__main__":
