@@ -113,6 +113,25 @@ def test_experts_inside_the_tensor_group_and_naive_path():
     np.testing.assert_allclose(naive, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
 
 
+def test_engine_with_layer_rows_on_a_mesh_equals_single_device():
+    """The engine's per-layer rows (`unstack_layers` slices the placed stacks) under an
+    expert x tensor mesh generate the single-device engine's greedy tokens."""
+    from k31jax.chat import ByteTokenizer
+    from k31jax.generate import Engine
+
+    model = randomize(K31ForCausalLM(tiny_config(), rngs=nnx.Rngs(0)), 1)
+    tok = ByteTokenizer(384)
+    prompts = [np.random.default_rng(i).integers(0, 256, n).tolist() for i, n in ((1, 5), (2, 17))]
+    ref = Engine(model, tok, max_len=64, prefill_chunk=16).generate(prompts, 8, stop_ids=frozenset()).tokens
+    mesh = sharding.make_mesh(expert=4, tensor=2)
+    placed = distributed.shard_model(model, mesh)
+    with sharding.activate(mesh):
+        engine = Engine(placed, tok, max_len=64, prefill_chunk=16, layer_rows=True)
+        q_proj = jax.tree.leaves(engine.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
+        assert isinstance(q_proj, tuple) and len(q_proj[0].sharding.device_set) == 8
+        assert engine.generate(prompts, 8, stop_ids=frozenset()).tokens == ref
+
+
 def test_sharded_init_materialises_shards_with_the_same_values():
     cfg = _reference("mxfp4", True)[0]
     mesh = sharding.make_mesh(expert=4, tensor=2)
