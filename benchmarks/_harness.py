@@ -188,6 +188,17 @@ def ratio(numerator: Stats, denominator: Stats) -> float:
     return numerator.median / denominator.median
 
 
+def timed(call: Callable[[], object]) -> Callable[[], dict[str, float]]:
+    """A side for `alternate` that times one `call()` until its results are ready: {"s": seconds}."""
+    import jax
+
+    def run() -> dict[str, float]:
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        return {"s": time.perf_counter() - t0}
+    return run
+
+
 def alternate(sides: dict[str, Callable[[], dict[str, float]]], repeats: int, *,
               warmup: int = 1) -> dict[str, dict[str, Stats]]:
     """Each side returns a dict of measurements per call; the sides run in turn, `warmup`

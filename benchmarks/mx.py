@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -49,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from _harness import Session, Stats, alternate, record  # noqa: E402
+from _harness import Session, Stats, alternate, record, timed  # noqa: E402
 from k31jax.quant import (  # noqa: E402
     dequantize,
     mxfp4_dequantize_packed,
@@ -153,15 +152,6 @@ def np_dequantize_packed_bf16(packed, scale, out=None, tmp=None, codes=None) -> 
 # ----------------------------------------------------------------------------
 
 
-def _timed(call):
-    """One side of `alternate`: {"s": seconds of one `call()`, results ready}."""
-    def run():
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        return {"s": time.perf_counter() - t0}
-    return run
-
-
 def _same(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16:
@@ -201,8 +191,8 @@ def bench_quant(mib: int, repeats: int) -> list[tuple]:
         want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
         ok = all(_same(g, w) for g, w in zip(got, want))
         del got, want
-        fresh_stats = alternate({"k31jax": _timed(lambda: fresh(*jax_args)),
-                                 "numpy": _timed(lambda: np_fn(*np_args))}, repeats)
+        fresh_stats = alternate({"k31jax": timed(lambda: fresh(*jax_args)),
+                                 "numpy": timed(lambda: np_fn(*np_args))}, repeats)
         bufs = [tuple(jnp.zeros(s, d) for s, d in jax_out_shapes)]
 
         def jax_into():  # the outputs are the next call's donated buffers
@@ -210,8 +200,8 @@ def bench_quant(mib: int, repeats: int) -> list[tuple]:
             bufs[0] = out if isinstance(out, tuple) else (out,)
             return out
 
-        reuse_stats = alternate({"k31jax": _timed(jax_into),
-                                 "numpy": _timed(lambda: np_fn(*np_args, np_out_bufs))}, repeats)
+        reuse_stats = alternate({"k31jax": timed(jax_into),
+                                 "numpy": timed(lambda: np_fn(*np_args, np_out_bufs))}, repeats)
         t_jf, t_nf = fresh_stats["k31jax"]["s"], fresh_stats["numpy"]["s"]
         t_jr, t_nr = reuse_stats["k31jax"]["s"], reuse_stats["numpy"]["s"]
         results.append((name, nbytes, t_jf, t_nf, t_jr, t_nr, ok))
@@ -298,7 +288,7 @@ def bench_expert_forward(repeats: int) -> list[str]:
         w = jnp.full((n_tok, k), 1.0 / k, jnp.float32)
         fn = jax.jit(lambda x, ws: routed_experts(x, idx, w, ws["w_gate"], ws["w_up"], ws["w_down"]))
         same = bool(jnp.array_equal(fn(x, dense), fn(x, packed)))
-        stats = alternate({"bf16": _timed(lambda: fn(x, dense)), "mxfp4": _timed(lambda: fn(x, packed))}, repeats)
+        stats = alternate({"bf16": timed(lambda: fn(x, dense)), "mxfp4": timed(lambda: fn(x, packed))}, repeats)
         b16, mx = stats["bf16"]["s"], stats["mxfp4"]["s"]
         ms = lambda t: f"{1e3 * t.median:.2f} [{1e3 * t.low:.2f}, {1e3 * t.high:.2f}]"
         lines.append(f"{n_tok:>8} {impl:>8} {ms(b16):>26} {ms(mx):>26} {b16.median / mx.median:10.2f}x  "

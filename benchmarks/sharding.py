@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Session, alternate, record  # noqa: E402
+from _harness import Session, alternate, record, timed  # noqa: E402
 from k31jax import Backends, ModelConfig, distributed, sharding  # noqa: E402
 from k31jax.nn import LatentMoE  # noqa: E402
 
@@ -51,15 +51,7 @@ def bench_moe(tokens: int, experts: int, repeats: int) -> dict:
     with sharding.activate(mesh):
         steps = {name: nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep))[0])
                  for name, ep in (("ep_shard_map", "dense"), ("naive_allgather", "off"))}
-
-        def side(step):
-            def run():
-                t = time.perf_counter()
-                jax.block_until_ready(step(moe, x))
-                return {"s": time.perf_counter() - t}
-            return run
-
-        stats = alternate({name: side(step) for name, step in steps.items()}, repeats)
+        stats = alternate({name: timed(lambda step=step: step(moe, x)) for name, step in steps.items()}, repeats)
         a, b = (steps[name](moe, x) for name in ("ep_shard_map", "naive_allgather"))
     out = {name: stats[name]["s"] for name in steps}
     out["max_rel_diff"] = float(jnp.abs(a - b).max() / jnp.abs(b).max())
