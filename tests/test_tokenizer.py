@@ -354,3 +354,57 @@ def test_a_json_escape_gives_a_lone_surrogate_that_both_tokenizers_take(kimi):
     text = json.loads('"tool said \\ud800"')  # legal JSON, arriving as a chat message
     assert text == "tool said \ud800"
     assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == kimi.decode(kimi.encode(text)) == "tool said \ufffd"
+
+
+# ---------------------------------------------------------------------------- BPE training
+def _reference_bpe(texts, num_ranks):
+    """The merge rule of `train_bpe` written the slow way: recount every pair each step."""
+    from collections import Counter
+
+    words = Counter(tuple(bytes([b]) for b in p.encode()) for t in texts for p in pretokenize(t))
+    rank = {bytes([b]): b for b in range(256)}
+    while len(rank) < num_ranks:
+        pairs = Counter()
+        for w, c in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += c
+        if not pairs or max(pairs.values()) < 2:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], rank[p[0]], rank[p[1]]))
+        rank.setdefault(best[0] + best[1], len(rank))
+        merged = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += c
+        words = merged
+    return rank
+
+
+def test_bpe_training_matches_the_slow_reference_and_loads_as_a_kimi_tokenizer(tmp_path):
+    import random
+
+    from k31jax.chat import train_bpe, write_tiktoken_model
+
+    rnd = random.Random(3)
+    vocab = ["def", "self", "return", "aaaa", "ab", "ba", "x1", " if", "\n    ", "中文", "é"]
+    texts = SAMPLES + ["".join(rnd.choice(vocab) + rnd.choice(" .(\n") for _ in range(300)) for _ in range(4)]
+    ranks = train_bpe(texts, 400)
+    assert ranks == _reference_bpe(texts, 400)
+    assert list(ranks)[:256] == [bytes([b]) for b in range(256)] and sorted(ranks.values()) == list(range(len(ranks)))
+    assert train_bpe(texts, 100_000) == _reference_bpe(texts, 100_000)  # stops when no pair repeats
+    write_tiktoken_model(ranks, tmp_path / "tiktoken.model")
+    assert load_tiktoken_ranks(tmp_path / "tiktoken.model") == ranks
+    tok = KimiTokenizer.from_dir(tmp_path)
+    assert tok.vocab_size == len(ranks) + 256 and tok.special_id("[BOS]") == len(ranks)
+    for text in texts:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and len(ids) < len(text.encode())
+    with pytest.raises(ValueError, match="num_ranks 255 < 256"):
+        train_bpe(texts, 255)

@@ -7,9 +7,11 @@ reference computed from the model's weights and layer inputs, at a context that 
 multiple of the query chunk; six warm-up steps through the trainer change only the indexer
 (the router bias too stays) and lower the held-out KL; `k31jax eval --indexer-recall
 --index-topk dense` on that run and the flags' defaults and errors; (slow) one step of the
-sparse stage training everything.
+sparse stage training everything; a run from a release with a BPE records that tokenizer and
+`index_topk`, and both reach its exports.
 """
 
+import dataclasses
 import json
 import sysconfig
 from pathlib import Path
@@ -21,10 +23,12 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
+from k31jax.chat import KimiTokenizer, train_bpe, write_tiktoken_model
 from k31jax.cli import build_parser, main
 from k31jax.cli._train import _config_from_args, _defaults
 from k31jax.conversion import write_synthetic_release
-from k31jax.nn import abstract_model
+from k31jax.generate import load_model
+from k31jax.nn import K31ForCausalLM, abstract_model
 from k31jax.train import (DataConfig, OptimConfig, TrainConfig, indexer_distill_terms, indexer_kl, indexer_recall,
                           load_any, load_run, read_metrics, topk_recall, train, with_index_topk)
 
@@ -232,6 +236,33 @@ def test_cli_flags(distilled, capsys):
     assert main(["train", "--distill-indexer", "sparse", "--trainable", "all", "--lora-rank", "4", "--data", "x",
                  "--steps", "1", "--out", str(out.parent / "lora")]) == 1  # one line: distillation trains no LoRA
     assert "distillation trains the indexer" in capsys.readouterr().err
+
+
+def test_a_run_keeps_its_init_tokenizer_and_index_topk_through_the_export(tmp_path, corpus):
+    """Fine-tuning a release that has its own BPE (the embedded model's case) without naming a
+    tokenizer: the run records the release's, its exports carry it (a converted Orbax folder
+    too), and `index_topk` is the one the run asked for."""
+    cfg = CONFIG.replace(vocab_size=300 + 256)
+    model = K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    release = write_synthetic_release(tmp_path / "release", cfg,
+                                      params=jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    write_tiktoken_model(train_bpe([p.read_text() for p in sorted(corpus.iterdir())], 300), release / "tiktoken.model")
+    data = DataConfig(paths=(str(corpus),), seq_len=T, batch_size=2, holdout_fraction=0.3, seed=1)
+    optim = OptimConfig(learning_rate=2e-2, warmup_steps=0, total_steps=2, weight_decay=0.0, trainable="indexer")
+    run = TrainConfig(out=str(tmp_path / "run"), data=data, optim=optim, steps=1, init=str(release), save_every=100,
+                      eval_batches=1, distill_indexer="dense", index_topk=5)
+    result = train(run, progress=False)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["tokenizer"] == str(release)
+    text = (corpus / "heapq.py").read_text()[:500]
+    want = KimiTokenizer.from_dir(release).encode(text)
+    assert len(want) < len(text.encode())  # the BPE, not bytes
+    for loaded in (load_model(result.final_dir / "release"), load_model(result.final_dir / "orbax"),
+                   load_any(tmp_path / "run")):
+        model, tokenizer = (loaded.model, loaded.tokenizer) if hasattr(loaded, "model") else loaded[:2]
+        assert isinstance(tokenizer, KimiTokenizer) and tokenizer.encode(text) == want
+        assert model.config.index_topk == 5
+    with pytest.raises(ValueError, match="index_topk=0"):
+        dataclasses.replace(run, index_topk=0)
 
 
 @pytest.mark.slow  # the backward pass through the whole model compiles for ~40 s of CPU

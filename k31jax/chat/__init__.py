@@ -3,7 +3,8 @@
 - Tokenizers: ``KimiTokenizer.from_dir`` (tiktoken BPE + 256 special slots) and
   ``ByteTokenizer`` (tiny models) share one interface: ``encode`` (specials are plain text
   unless ``allow_special=True``), ``encode_segments``, ``decode``, ``stream_decoder``,
-  ``stop_ids``, ``special_id``.
+  ``stop_ids``, ``special_id``. ``train_bpe`` + ``write_tiktoken_model`` make a small BPE in
+  the release format (the embedded default model's tokenizer).
 - Rendering: ``render_k3`` → ``list[Segment]``; ``render_k3_text``; ``apply_chat_template``
   (effort defaults to ``"max"``); ``render_k2`` for the legacy format.
 - Parsing: ``K3StreamParser.feed_segments`` (events) / ``parse_k3_segments`` take markup only
@@ -16,6 +17,7 @@ Pure Python: importing this package never imports JAX (tiktoken is imported only
 ``KimiTokenizer`` is built).
 """
 
+from k31jax.chat._bpe import train_bpe, write_tiktoken_model
 from k31jax.chat._byte_tokenizer import ByteTokenizer
 from k31jax.chat._k2 import K2StreamParser, parse_k2, parse_k2_segments, render_k2
 from k31jax.chat._k3_output import K3StreamParser, parse_k3, parse_k3_segments
@@ -31,6 +33,7 @@ from k31jax.chat._tokenizer import KimiTokenizer, Segment, TokenizerBase
 __all__ = [
     # tokenizers
     "ByteTokenizer", "K2_SPECIAL_TOKENS", "K3_SPECIAL_TOKENS", "KimiTokenizer", "Segment", "TokenizerBase",
+    "train_bpe", "write_tiktoken_model",
     # K3 rendering
     "THINKING_EFFORTS", "ChatTemplateError", "MissingReasoningError", "apply_chat_template", "render_k3",
     "render_k3_text",

@@ -41,7 +41,8 @@ def _config_from_args(args) -> TrainConfig:
                        balance_loss=args.balance_loss, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                        save_every=args.save_every, keep=args.keep, log_every=args.log_every,
                        eval_every=args.eval_every, eval_batches=args.eval_batches, mesh=args.mesh,
-                       rules=args.rules, seed=args.seed, distill_indexer=args.distill_indexer)
+                       rules=args.rules, seed=args.seed, distill_indexer=args.distill_indexer,
+                       index_topk=args.index_topk)
 
 
 def _resumed_config(args) -> TrainConfig:
@@ -181,6 +182,9 @@ def register(sub) -> None:
                         "heads; 'sparse' = attention on the model's top-k, the indexer trained by the KL over the "
                         "selection, other --trainable weights by the LM loss. Start from --init; pass --qat to "
                         "export an MXFP4 model's experts packed again")
+    t.add_argument("--index-topk", type=int, default=None,
+                   help="the indexer's top-k for this run and its export (default: the model's); >= --seq-len "
+                        "trains dense attention, the first stage before --distill-indexer")
     t.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters only")
     t.add_argument("--lora-alpha", type=float, default=16.0)
     t.add_argument("--remat", default="none", choices=REMAT_POLICIES)
@@ -248,8 +252,9 @@ def _check_data_args(args) -> None:
 def _check_train_args(args) -> None:
     """The numbers of `k31jax train` (exit 2), before any data is read or model built."""
     _check_data_args(args)
-    for flag, low in (("steps", 1), ("grad_accum", 1), ("vocab_chunk", 1), ("warmup", 0), ("lora_rank", 0),
-                      ("save_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0), ("eval_batches", 1)):
+    for flag, low in (("steps", 1), ("index_topk", 1), ("grad_accum", 1), ("vocab_chunk", 1), ("warmup", 0),
+                      ("lora_rank", 0), ("save_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0),
+                      ("eval_batches", 1)):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=low, optional=True)
     check_float("--lr", args.lr, low=0, low_open=True)
     check_float("--min-lr-ratio", args.min_lr_ratio, low=0, high=1)

@@ -2,14 +2,15 @@
 
 An Orbax checkpoint written by the converter (``_CHECKPOINT_METADATA``, no safetensors) is
 read with ``k31jax.ckpt.load_checkpoint``; a folder of ``*.safetensors`` with
-``k31jax.load_hf_weights``. The tokenizer is the folder's ``tiktoken.model`` when present,
-else the byte-level tokenizer of the tiny models.
+``k31jax.load_hf_weights``. The tokenizer is the folder's ``tiktoken.model`` (a converted
+checkpoint's copy in ``k31jax_assets/``) when present, else the byte-level tokenizer of the
+tiny models.
 
-Without a checkpoint, the embedded default model is loaded: a 4.5M-parameter K3.1-shaped model
+Without a checkpoint, the embedded default model is loaded: a 7.8M-parameter K3.1-shaped model
 (KDA, gated MLA with the lightning indexer, Block AttnRes, LatentMoE with packed MXFP4 experts
 trained with QAT) shipped in ``k31jax/assets/embedded`` in the release layout, trained on the
-Python standard library's sources with a byte-level tokenizer (`scripts/train_embedded_model.py`
-reproduces it). It has seen no chat data, so `raw_completion` tells the CLI to complete text
+Python standard library's sources with its own small BPE (`tiktoken.model` in the same folder;
+`scripts/train_embedded_model.py` reproduces both). It has seen no chat data, so `raw_completion` tells the CLI to complete text
 rather than wrap it in the chat format. A preset name (``config=``) builds seeded random weights.
 
 Vision: a checkpoint with a ``vision_config`` carries its MoonViT tower and projector
@@ -33,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ByteTokenizer, KimiTokenizer
-from ..ckpt import is_orbax_checkpoint, load_checkpoint, load_checkpoint_vision, load_hf_weights
+from ..ckpt import ASSETS_DIR, is_orbax_checkpoint, load_checkpoint, load_checkpoint_vision, load_hf_weights
 from ..config import ModelConfig, VisionConfig
 from ..nn import K31ForCausalLM
 from ..vision import VisionModel, load_vision_model, release_shapes
@@ -80,9 +81,11 @@ def _load_orbax(path: Path, dtype):
 
 
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
-    """`KimiTokenizer` from `path/tiktoken.model`, else a `ByteTokenizer` (byte vocabularies)."""
-    if path is not None and (Path(path) / "tiktoken.model").exists():
-        return KimiTokenizer.from_dir(path)
+    """`KimiTokenizer` from `path/tiktoken.model` (or a converted Orbax checkpoint's copy of the
+    release's tokenizer files, `path/k31jax_assets/`), else a `ByteTokenizer` (byte vocabularies)."""
+    for folder in () if path is None else (Path(path), Path(path) / ASSETS_DIR):
+        if (folder / "tiktoken.model").exists():
+            return KimiTokenizer.from_dir(folder)
     if vocab_size > _BYTE_VOCAB_MAX:
         raise FileNotFoundError(f"no tiktoken.model in {path}: a vocabulary of {vocab_size:,} needs "
                                 "the release tokenizer files (tiktoken.model, tokenizer_config.json); "
@@ -156,8 +159,8 @@ def _load_text(ckpt, *, config, seed, dtype, tokenizer) -> LoadedModel:
                                     "or pass --ckpt DIR (or --config PRESET for random weights)")
         model = load_hf_weights(path, dtype=dtype or "float32")
         banner = (f"no --ckpt: the embedded default model ({DEFAULT_MODEL}: trained on Python standard "
-                  "library sources, byte-level, no chat data)")
-        return LoadedModel(model, load_tokenizer(tokenizer, model.config.vocab_size), f"embedded:{path}", banner,
+                  "library sources, no chat data)")
+        return LoadedModel(model, load_tokenizer(tokenizer or path, model.config.vocab_size), f"embedded:{path}", banner,
                            raw_completion=True,
                            vision_loader=_random_vision(model.config, seed, "the embedded default model"))
     cfg = ModelConfig.preset(config)

@@ -36,6 +36,9 @@ class TrainConfig:
     save_every / keep: Orbax checkpoints every N steps (asynchronous), the newest K kept.
     eval_every / eval_batches: held-out loss every N steps (0: only at the end).
     mesh / rules: train under this mesh (`"data=2,fsdp=4"`) and rule table.
+    index_topk: the indexer's top-k for this run and its export (None: the model's own); a
+      value >= `data.seq_len` trains dense gated MLA (DeepSeek-V3.2's order: dense first,
+      then `distill_indexer`, then sparse).
     distill_indexer: None (language-model training), or indexer distillation
       (`k31jax.train._distill`): "dense" (the warm-up: attention with the indexer off, only
       the indexer trains, `optim.trainable="indexer"`) or "sparse" (attention on the model's
@@ -70,6 +73,7 @@ class TrainConfig:
     rules: str | None = None
     seed: int = 0
     distill_indexer: str | None = None
+    index_topk: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -79,6 +83,8 @@ class TrainConfig:
             problems.append(f"dtype={self.dtype!r}: expected one of {MASTER_DTYPES}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.index_topk is not None and self.index_topk < 1:
+            problems.append(f"index_topk={self.index_topk}: must be >= 1")
         if self.grad_accum < 1:
             problems.append(f"grad_accum={self.grad_accum}: must be >= 1")
         for name in ("vocab_chunk", "save_every", "keep", "log_every", "eval_batches"):

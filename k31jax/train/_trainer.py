@@ -39,7 +39,7 @@ from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
 from ._data import DataConfig, make_dataset, split_documents
-from ._distill import distill_setup, distill_step, indexer_recall
+from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
 from ._metrics import MetricsLog
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
@@ -151,6 +151,17 @@ def load_any(ckpt: str | os.PathLike | None, *, tokenizer: str | None = None):
     return loaded.model, loaded.tokenizer, loaded.source
 
 
+def _tokenizer_dir(cfg: TrainConfig) -> str | None:
+    """`cfg.tokenizer`, else the folder of the `init` checkpoint's own `tiktoken.model` (a
+    run's recorded tokenizer, or the folder itself); None: byte-level."""
+    if cfg.tokenizer is not None or cfg.init is None:
+        return cfg.tokenizer
+    init = Path(cfg.init)
+    if is_run(init):
+        return TrainConfig.from_json(json.loads((init / RUN_FILE).read_text())).tokenizer
+    return str(init) if (init / "tiktoken.model").exists() else None
+
+
 def _initial_model(cfg: TrainConfig) -> tuple[K31ForCausalLM, TokenizerBase]:
     if cfg.init is not None:
         model, tok, _ = load_any(cfg.init, tokenizer=cfg.tokenizer)
@@ -212,11 +223,15 @@ class Trainer:
     """Build everything for `cfg`; `run()` trains to `cfg.steps` (resuming when asked)."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, progress: bool = True):
+        # the run records (and its export carries) the tokenizer it was trained with
+        cfg = dataclasses.replace(cfg, tokenizer=_tokenizer_dir(cfg))
         self.cfg = cfg
         self.out = Path(cfg.out)
         self._check_out(resume)
         self.out.mkdir(parents=True, exist_ok=True)
         model, self.tokenizer = _initial_model(cfg)
+        if cfg.index_topk is not None:
+            model = with_index_topk(model, cfg.index_topk)
         model = training_form(model, cfg)
         self.model_config = model.config
         self.mesh = make_mesh(parse_mesh(cfg.mesh)) if cfg.mesh else None
