@@ -6,7 +6,7 @@ numbers are the scheduler's and the engine's.
     .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--requests-per-client 4] [--max-batch 8]
                                          [--repeats 3] [--record]
 
-Model: the embedded default model (`load_model()`: 4.5M parameters, hidden 128, 8 layers, what
+Model: the embedded default model (`load_model()`: 7.8M parameters, hidden 128, 8 layers, what
 `k31jax serve` serves without --ckpt) unless `--config PRESET` (seeded random weights).
 Prompts are Python standard-library source text (what the embedded model was trained on).
 

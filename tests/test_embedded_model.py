@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from k31jax import ModelConfig
+from k31jax.chat import KimiTokenizer
 from k31jax.cli import main
 from k31jax.generate import Engine, load_model
 from k31jax.generate._loading import embedded_model_dir
@@ -56,13 +57,28 @@ def test_has_every_k31_feature_and_packed_experts(loaded):
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts) == (
         preset.hidden_size, preset.num_hidden_layers, preset.num_experts)
     meta = json.loads((ASSET / "corpus.json").read_text())
-    assert meta["train"] and meta["heldout"] and "PSF" in meta["licence"] and "k31jax train" in meta["command"]
+    assert meta["train"] and meta["heldout"] and "PSF" in meta["licence"]
+    trained, distilled = meta["command"][1:]  # the commands that made it: dense training, then distillation
+    assert trained.startswith("k31jax train") and "--qat" in trained and "--distill-indexer" in distilled
     assert not {r["path"] for r in meta["train"]} & {r["path"] for r in meta["heldout"]}
     assert loaded.raw_completion and loaded.banner
 
 
+def test_tokenizer_is_the_shipped_bpe(loaded):
+    """The model's own BPE (trained on the training split only, `corpus.json` records its hash),
+    not the byte-level fallback: the vocabulary is its ranks + the 256 K3 special slots."""
+    tok, cfg = loaded.tokenizer, loaded.model.config
+    meta = json.loads((ASSET / "corpus.json").read_text())["tokenizer"]
+    assert hashlib.sha256((ASSET / "tiktoken.model").read_bytes()).hexdigest() == meta["tiktoken.model sha256"]
+    assert isinstance(tok, KimiTokenizer) and tok.vocab_size == cfg.vocab_size == meta["ranks"] + 256
+    assert (tok.bos_id, tok.end_of_msg_id, tok.pad_id) == (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    ids = tok.encode(SNIPPET)
+    assert tok.decode(ids) == SNIPPET and len(ids) < len(SNIPPET.encode()) / 2
+
+
 def test_is_trained_on_unseen_python(loaded):
-    """Random weights give ~log2(384) = 8.6 bits per byte; the trained model far less."""
+    """Random weights give ~log2(2304) / 2.9 = 3.8 bits per byte (2.9 bytes per token); the
+    trained model far less."""
     model, tok = loaded.model, loaded.tokenizer
     ids = [tok.bos_id] + tok.encode(SNIPPET)
     logits, _ = model(jnp.asarray([ids[:-1]], jnp.int32))
@@ -70,7 +86,7 @@ def test_is_trained_on_unseen_python(loaded):
     logp = logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logp.max(-1, keepdims=True)
     nll = -logp[np.arange(len(ids) - 1), ids[1:]].sum()
     bits_per_byte = nll / math.log(2) / len(SNIPPET.encode())
-    assert bits_per_byte < 3.5, bits_per_byte
+    assert bits_per_byte < 2.5, bits_per_byte  # 1.69 when shipped
 
 
 def test_greedy_generation_is_deterministic(loaded):
