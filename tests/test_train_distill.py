@@ -26,11 +26,13 @@ from flax import nnx
 from k31jax.chat import KimiTokenizer, train_bpe, write_tiktoken_model
 from k31jax.cli import build_parser, main
 from k31jax.cli._train import _config_from_args, _defaults
+from k31jax.ckpt import ASSETS_DIR
 from k31jax.conversion import write_synthetic_release
 from k31jax.generate import load_model
 from k31jax.nn import K31ForCausalLM, abstract_model
 from k31jax.train import (DataConfig, OptimConfig, TrainConfig, indexer_distill_terms, indexer_kl, indexer_recall,
                           load_any, load_run, read_metrics, topk_recall, train, with_index_topk)
+from k31jax.train._trainer import _tokenizer_dir
 
 try:
     from tests import refs as R
@@ -261,6 +263,8 @@ def test_a_run_keeps_its_init_tokenizer_and_index_topk_through_the_export(tmp_pa
         model, tokenizer = (loaded.model, loaded.tokenizer) if hasattr(loaded, "model") else loaded[:2]
         assert isinstance(tokenizer, KimiTokenizer) and tokenizer.encode(text) == want
         assert model.config.index_topk == 5
+    orbax = result.final_dir / "orbax"  # a run from the converted folder finds the release's tokenizer inside it
+    assert _tokenizer_dir(dataclasses.replace(run, init=str(orbax))) == str(orbax / ASSETS_DIR)
     with pytest.raises(ValueError, match="index_topk=0"):
         dataclasses.replace(run, index_topk=0)
 

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..chat import TokenizerBase
+from ..ckpt import ASSETS_DIR
 from ..config import ModelConfig
 from ..conversion import convert, write_synthetic_release
 from ..distributed import shard_model
@@ -153,13 +154,14 @@ def load_any(ckpt: str | os.PathLike | None, *, tokenizer: str | None = None):
 
 def _tokenizer_dir(cfg: TrainConfig) -> str | None:
     """`cfg.tokenizer`, else the folder of the `init` checkpoint's own `tiktoken.model` (a
-    run's recorded tokenizer, or the folder itself); None: byte-level."""
+    run's recorded tokenizer, the folder itself, or a converted Orbax checkpoint's copy of the
+    release's files); None: byte-level."""
     if cfg.tokenizer is not None or cfg.init is None:
         return cfg.tokenizer
     init = Path(cfg.init)
     if is_run(init):
         return TrainConfig.from_json(json.loads((init / RUN_FILE).read_text())).tokenizer
-    return str(init) if (init / "tiktoken.model").exists() else None
+    return next((str(f) for f in (init, init / ASSETS_DIR) if (f / "tiktoken.model").exists()), None)
 
 
 def _initial_model(cfg: TrainConfig) -> tuple[K31ForCausalLM, TokenizerBase]:
