@@ -10,8 +10,9 @@ Without a checkpoint, the embedded default model is loaded: a 7.8M-parameter K3.
 (KDA, gated MLA with the lightning indexer, Block AttnRes, LatentMoE with packed MXFP4 experts
 trained with QAT) shipped in ``k31jax/assets/embedded`` in the release layout, trained on the
 Python standard library's sources with its own small BPE (`tiktoken.model` in the same folder;
-`scripts/train_embedded_model.py` reproduces both). It has seen no chat data, so `raw_completion` tells the CLI to complete text
-rather than wrap it in the chat format. A preset name (``config=``) builds seeded random weights.
+`scripts/train_embedded_model.py` reproduces both). It has seen no chat data, so
+`raw_completion` tells the CLI to complete text rather than wrap it in the chat format. A preset
+name (``config=``) builds seeded random weights.
 
 Vision: a checkpoint with a ``vision_config`` carries its MoonViT tower and projector
 (``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.ckpt.load_checkpoint_vision``. The
