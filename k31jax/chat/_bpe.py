@@ -15,6 +15,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
+from k31jax.chat._byte_tokenizer import _utf8
 from k31jax.chat._specials import pretokenize
 
 
@@ -29,7 +30,7 @@ def train_bpe(texts: Iterable[str], num_ranks: int) -> dict[bytes, int]:
         raise ValueError(f"num_ranks {num_ranks} < 256: a byte-level BPE needs every byte as a rank")
     freq: Counter[bytes] = Counter()
     for text in texts:
-        freq.update(p.encode("utf-8", "surrogatepass") for p in pretokenize(text))
+        freq.update(_utf8(p) for p in pretokenize(text))  # lone surrogates as tiktoken encodes them
     words = [list(w) for w in freq]
     counts = list(freq.values())
     vocab = [bytes([b]) for b in range(256)]

@@ -81,12 +81,18 @@ def _load_orbax(path: Path, dtype):
     return load_checkpoint(path) if dtype is None else load_checkpoint(path, dtype=dtype)
 
 
+def tokenizer_dir(path: str | os.PathLike | None) -> Path | None:
+    """The folder holding `path`'s `tiktoken.model`: `path` itself, or a converted Orbax
+    checkpoint's copy of the release's tokenizer files (`path/k31jax_assets/`); None if neither."""
+    folders = () if path is None else (Path(path), Path(path) / ASSETS_DIR)
+    return next((f for f in folders if (f / "tiktoken.model").exists()), None)
+
+
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
-    """`KimiTokenizer` from `path/tiktoken.model` (or a converted Orbax checkpoint's copy of the
-    release's tokenizer files, `path/k31jax_assets/`), else a `ByteTokenizer` (byte vocabularies)."""
-    for folder in () if path is None else (Path(path), Path(path) / ASSETS_DIR):
-        if (folder / "tiktoken.model").exists():
-            return KimiTokenizer.from_dir(folder)
+    """`KimiTokenizer` from `tokenizer_dir(path)`, else a `ByteTokenizer` (byte vocabularies)."""
+    folder = tokenizer_dir(path)
+    if folder is not None:
+        return KimiTokenizer.from_dir(folder)
     if vocab_size > _BYTE_VOCAB_MAX:
         raise FileNotFoundError(f"no tiktoken.model in {path}: a vocabulary of {vocab_size:,} needs "
                                 "the release tokenizer files (tiktoken.model, tokenizer_config.json); "

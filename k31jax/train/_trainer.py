@@ -29,12 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..chat import TokenizerBase
-from ..ckpt import ASSETS_DIR
 from ..config import ModelConfig
 from ..conversion import convert, write_synthetic_release
 from ..distributed import shard_model
 from ..generate import load_model
-from ..generate._loading import load_tokenizer
+from ..generate._loading import load_tokenizer, tokenizer_dir
 from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
 from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
@@ -161,7 +160,8 @@ def _tokenizer_dir(cfg: TrainConfig) -> str | None:
     init = Path(cfg.init)
     if is_run(init):
         return TrainConfig.from_json(json.loads((init / RUN_FILE).read_text())).tokenizer
-    return next((str(f) for f in (init, init / ASSETS_DIR) if (f / "tiktoken.model").exists()), None)
+    folder = tokenizer_dir(init)
+    return None if folder is None else str(folder)
 
 
 def _initial_model(cfg: TrainConfig) -> tuple[K31ForCausalLM, TokenizerBase]:
