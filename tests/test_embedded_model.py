@@ -103,6 +103,9 @@ def test_cli_generate_defaults_to_raw_completion_with_the_embedded_model(capsys)
     out, err = capsys.readouterr()
     assert "embedded default model" in err and "raw completion" in err
     assert "[thinking]" not in out and out.strip()
+    # Token healing: the prompt's last token `):` is backed off and regrown as `):` + newline
+    # (as the BPE always wrote it in training), so the continuation is an indented body.
+    assert out.startswith("\n    "), out
     assert main(args + ["--chat", "--effort", "low", "--max-new-tokens", "4", "--max-len", "1024"]) == 0
     out, err = capsys.readouterr()
     assert "raw completion" not in err

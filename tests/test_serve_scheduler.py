@@ -15,7 +15,7 @@ from flax import nnx
 
 from k31jax.chat import apply_chat_template, parse_k3_segments
 from k31jax.generate import (Engine, QueueFullError, Request, SamplingParams, Scheduler, TokenEvent, ToolChoice,
-                             load_model, min_context)
+                             heal_prompt, load_model, min_context)
 
 MAX_LEN, CHUNK = 320, 8
 
@@ -107,6 +107,20 @@ def test_forced_tool_choice(setup):
     fin = _run(sched, [Request(prompt, max_new_tokens=40, parse=True, markup="ids")],
                tool_choice=ToolChoice("none", names))[0]
     assert fin.completion.parsed.tool_calls == []
+
+
+def test_token_healing_equals_the_static_engine(setup):
+    """A healed request's first token is constrained in the scheduler as in `Engine`, amid a
+    busy batch (byte vocabulary: the backed-off byte itself)."""
+    engine, sched, _ = setup
+    tok = engine.tokenizer
+    ids = [tok.bos_id] + tok.encode("print(x")
+    prompt, tail = heal_prompt(tok, ids)
+    healed = Request(prompt, max_new_tokens=16, stop_ids=frozenset(), healed_prefix=tail)
+    busy = _run(sched, [Request(p, max_new_tokens=9) for p in _prompts(tok, 2, seed=3)] + [healed])
+    static = engine.generate([healed]).completions[0]
+    assert busy[2].completion.tokens == static.tokens and static.tokens[0] == ids[-1]
+    assert busy[2].completion.text == static.text == tok.decode(static.tokens)[1:]
 
 
 def test_queue_bound_cancel_and_no_recompilation(setup):

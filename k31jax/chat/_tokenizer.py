@@ -71,16 +71,24 @@ class StreamDecoder:
     Bytes of a character split across tokens are held until the character is complete.
     Invalid bytes become U+FFFD; ``flush`` ends the stream (an unfinished tail becomes
     U+FFFD). Special tokens decode to their names.
+
+    ``skip``: bytes the reader already has, dropped from the first token when it starts with
+    them (token healing: the prompt's backed-off tail, which the first generated token repeats).
     """
 
-    def __init__(self, tokenizer: "TokenizerBase"):
+    def __init__(self, tokenizer: "TokenizerBase", *, skip: bytes = b""):
         self._token_bytes = tokenizer.token_bytes
         self._special_name = tokenizer.special_name
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = skip
 
     def step(self, token_id: int) -> str:
         """Text completed by one more token (possibly empty)."""
-        return self._decoder.decode(self._token_bytes(token_id))
+        data = self._token_bytes(token_id)
+        if self._skip:
+            data = data.removeprefix(self._skip)
+            self._skip = b""
+        return self._decoder.decode(data)
 
     def step_pieces(self, token_id: int) -> list[Segment]:
         """``step`` that keeps apart what came from a special token: an ordinary token gives
@@ -91,6 +99,7 @@ class StreamDecoder:
         if name is None:
             text = self.step(token_id)
             return [Segment(text, False)] if text else []
+        self._skip = b""
         cut = self.flush()  # a special id never completes a character
         return ([Segment(cut, False)] if cut else []) + [Segment(name, True)]
 
@@ -242,8 +251,9 @@ class TokenizerBase:
         end_run()
         return [s for s in out if s.text]
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, *, skip: bytes = b"") -> StreamDecoder:
+        """An incremental decoder; `skip` as in `StreamDecoder`."""
+        return StreamDecoder(self, skip=skip)
 
 
 def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..chat import (ContentDelta, ReasoningDelta, Segment, ToolCallArgsDelta, ToolCallEnd, ToolCallStart,
                     apply_chat_template)
 from ..config import preset_names
-from ..generate import DEFAULT_MODEL, ChatSession, Engine, Request, SamplingParams, load_model
+from ..generate import DEFAULT_MODEL, ChatSession, Engine, Request, SamplingParams, heal_prompt, load_model
 from ..vision import ImageError, decode_image
 from ._common import (UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context,
                       enable_compile_cache, install)
@@ -140,11 +140,14 @@ def _cmd_generate(args) -> int:
         print("[k31jax] raw completion (this model saw no chat data; --chat wraps the prompt in the chat format)",
               file=sys.stderr)
     media = engine.image_prompts() if args.image else None
+    healed = b""
     if args.raw:  # [BOS] + one media block per image + the prompt text
         blocks = [Segment(media(image_part(path)), True) for path in args.image]
         prompt = tok.encode_segments(blocks + [Segment(args.prompt, False)])
         if tok.bos_id is not None:
             prompt = [tok.bos_id] + prompt
+        if not args.no_heal:
+            prompt, healed = heal_prompt(tok, prompt)
     else:
         content = [image_part(p) for p in args.image] + [{"type": "text", "text": args.prompt}] if args.image \
             else args.prompt
@@ -157,7 +160,7 @@ def _cmd_generate(args) -> int:
     printer = EventPrinter(out, _color(args, out))
     request = Request(prompt, _params(args), args.max_new_tokens, None, tuple(args.stop),
                       args.thinking_budget if thinking and not args.raw else None, parse=not args.raw,
-                      images=media.images if media is not None else ())
+                      images=media.images if media is not None else (), healed_prefix=healed)
     if args.stream:
         for delta in engine.stream([request]):
             if args.raw:
@@ -381,6 +384,10 @@ def register(sub) -> None:
                       help="no chat template: BOS + prompt text (the default for the embedded model)")
     mode.add_argument("--chat", action="store_true", help="wrap the prompt in the K3 chat format even for a "
                                                           "model trained without chat data")
+    gen.add_argument("--no-heal", action="store_true",
+                     help="raw mode: keep the prompt's last token (by default it is backed off and the first "
+                          "generated token must start with its text: token healing, so a prompt ending inside "
+                          "a usual token such as `):` + newline continues as in training)")
     gen.set_defaults(max_new_tokens_default=32)
     install(gen, "generate", _sharded(_cmd_generate_entry), validate=_check_args)
 

@@ -5,6 +5,7 @@ streaming text and structured events, and a multi-turn chat session.
   token-id prompts or ``Request``s; compiled once per (batch, length bucket).
 - ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
 - ``ChatSession``: K3 chat history (reasoning, tool calls, tool results) over an engine.
+- ``heal_prompt``: token healing for raw completion (``Request(healed_prefix=...)``).
 - ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model.
 - Images: ``Engine(..., vision=loaded.vision)`` (``load_model(vision=True)``: the checkpoint's
   tower, or a seeded random one for the embedded model), ``engine.image_prompts()`` as the
@@ -15,6 +16,7 @@ streaming text and structured events, and a multi-turn chat session.
 """
 
 from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
+from ._healing import heal_prompt
 from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
 from ._multihost import ProcessSync
 from ._requests import Completion, Request, StreamDelta
@@ -28,5 +30,5 @@ __all__ = [
     "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationResult",
     "Handle", "LoadedModel", "PrefixCache", "ProcessSync", "QueueFullError", "Request", "SamplerState", "SamplingParams",
     "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult",
-    "bucket_length", "embedded_model_dir", "load_model", "min_context", "plan_prefill", "sample_logits", "sample_tokens",
+    "bucket_length", "embedded_model_dir", "heal_prompt", "load_model", "min_context", "plan_prefill", "sample_logits", "sample_tokens",
 ]

@@ -43,6 +43,7 @@ from ..chat import ThinkingBudget
 from ..nn import LAYER_STACKS, Cache, init_cache, unstack_layers
 from ..ops import Backends
 from ..vision import ImagePrompts, ImageProcessorConfig, splice_image_embeddings
+from ._healing import first_token_mask
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
 from ._requests import (Completion, Request, RowController, StreamDelta, normalize_requests)
 from ._sampling import SamplingParams, make_sampler_state, sample_tokens, sampler_arrays
@@ -91,8 +92,8 @@ def _vision_fn(graphdef, state, inputs):
     return nnx.merge(graphdef, state)(inputs)
 
 
-def _first_fn(logits, arrays, force):
-    return sample_tokens(logits, make_sampler_state(**arrays), force)
+def _first_fn(logits, arrays, force, mask):
+    return sample_tokens(jnp.where(mask, logits, -jnp.inf), make_sampler_state(**arrays), force)
 
 
 def _decode_fn(graphdef, backends, state, cache: Cache, token, sampler, force):
@@ -412,7 +413,8 @@ class Engine:
             logits, cache = self._call(kind, self.graphdef, self.backends, self.state, cache, *data)
         arrays = sampler_arrays([r.params for r in reqs], [r.prompt for r in reqs], vocab)
         force = np.asarray([row.force() for row in rows], np.int32)
-        token, sampler = self._call("first", logits, arrays, force)
+        mask = first_token_mask(self.tokenizer, [r.healed_prefix for r in reqs], vocab)
+        token, sampler = self._call("first", logits, arrays, force, mask)
         host = np.asarray(token)
         t_first = time.perf_counter()
         compile_prefill = self._run_compile

@@ -40,6 +40,9 @@ class Request:
     images           `k31jax.vision.ProcessedImage`s in prompt order, one per media block of
                      the prompt (`ImagePrompts.images`); their rows replace its
                      `<|media_pad|>` embeddings in prefill. Needs an engine with a vision model.
+    healed_prefix    token healing (`heal_prompt`): the bytes of the token backed off the end of
+                     `prompt`. The first generated token must start with them, and the text
+                     leaves them out (the reader has them); needs a tokenizer.
     """
 
     prompt: Sequence[int]
@@ -52,6 +55,7 @@ class Request:
     chat_format: str = "k3"
     markup: str = "text"
     images: tuple = ()
+    healed_prefix: bytes = b""
 
     def __post_init__(self):
         if len(self.prompt) == 0:
@@ -117,9 +121,9 @@ class RowController:
         self.finish_reason: str | None = None
         self.stop_match: int | str | None = None
         self.forced_at: int | None = None
-        if (req.stop or req.parse or budget is not None) and tokenizer is None:
-            raise ValueError("stop strings, parse and thinking_budget need an engine tokenizer")
-        self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        if (req.stop or req.parse or budget is not None or req.healed_prefix) and tokenizer is None:
+            raise ValueError("stop strings, parse, thinking_budget and healed_prefix need an engine tokenizer")
+        self._decoder = tokenizer.stream_decoder(skip=req.healed_prefix) if tokenizer is not None else None
         self._text: list[str] = []
         # Decoded pieces not yet given to the parser (held for a possible stop string), and how
         # many of their characters were already shown: a stop string may cut the visible text

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from ._forcing import ToolChoiceForcer
+from ._healing import first_token_mask
 from ._images import chunk_splice, image_digest
 from ._prefix import PrefixCache, image_prefix_key
 from ._requests import Completion, Request, RowController, StreamDelta
@@ -501,7 +502,8 @@ class Scheduler:
         n = len(req.prompt)
         force, allowed, banned = _constraints([(ctl, forcer)])
         arrays = sampler_arrays([req.params], [req.prompt], self.vocab)
-        token, row_sampler, lp = self.programs.first(p.logits, arrays, int(force[0]), allowed[0], banned[0])
+        mask = first_token_mask(self.tokenizer, [req.healed_prefix], self.vocab)[0]
+        token, row_sampler, lp = self.programs.first(p.logits, arrays, int(force[0]), allowed[0], banned[0], mask)
         self.pos = max(self.pos, n)
         self.cache = self.programs.insert(self.cache, p.scratch, slot, self.pos)
         self.sampler = self.programs.sampler_insert(self.sampler, row_sampler, slot)

@@ -95,10 +95,10 @@ def _logprobs(logits, token):
     return jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
 
-def _first_fn(logits, arrays, force, allowed, banned):
+def _first_fn(logits, arrays, force, allowed, banned, mask):
     sampler = make_sampler_state(**arrays)
     sampler = dataclasses.replace(sampler, step=jnp.zeros(logits.shape[:1], jnp.int32))
-    token, sampler = sample_tokens(_restrict(logits, allowed, banned), sampler, force)
+    token, sampler = sample_tokens(_restrict(jnp.where(mask, logits, -jnp.inf), allowed, banned), sampler, force)
     return token, _pin_sampler(sampler), _logprobs(logits, token)
 
 
@@ -250,8 +250,10 @@ class SlotPrograms:
         return self.call("prefill_chunk" if kind == "prefill" else kind, e.graphdef, e.backends, e.state, scratch,
                          *data)
 
-    def first(self, logits, arrays, force: int, allowed: np.ndarray, banned: np.ndarray):
-        return self.call("first", logits, arrays, np.asarray([force], np.int32), allowed[None], banned[None])
+    def first(self, logits, arrays, force: int, allowed: np.ndarray, banned: np.ndarray, mask: np.ndarray):
+        """Sample a joining row's first token; `mask` `[V]` as in `first_token_mask`."""
+        return self.call("first", logits, arrays, np.asarray([force], np.int32), allowed[None], banned[None],
+                         mask[None])
 
     def decode(self, cache, token, sampler, force: np.ndarray, allowed: np.ndarray, banned: np.ndarray):
         e = self.engine
