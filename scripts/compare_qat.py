@@ -6,12 +6,17 @@
 Three models, all computed in float32 with dense attention (both runs trained dense):
 - bf16: the run trained without QAT (its release: every weight stored in bf16);
 - PTQ: that model with its routed experts rounded to nearest MXFP4 after training;
-- QAT: the run trained with MXFP4 fake-quant (its release: experts packed MXFP4).
+- QAT: the run trained with MXFP4 fake-quant (its release: experts packed MXFP4);
+- and, to say how much the routed experts carry at all, the bf16 model without them (their
+  down projections zeroed, so the routed branch adds nothing): rounding them cannot cost more
+  than a fraction of that.
 
 Each held-out file is evaluated alone (rows of `--seq-len` tokens). The table gives each
-model's bits per byte over all files and its change against bf16; then, per file, the paired
-difference between PTQ and QAT: the mean over files with its standard error, and how many
-files each model wins. A difference is "measurable" when it exceeds 3 standard errors.
+model's bits per byte over all files and its change against bf16; then, per file, paired
+differences (PTQ - QAT, PTQ - bf16, no routed experts - bf16): the mean over files with its
+standard error, and how many files each model wins. A difference is "measurable" when it
+exceeds 3 standard errors. PTQ - QAT compares two trainings, so its spread holds their
+run-to-run difference; the other two compare one set of weights with a change of it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import math
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from k31jax.generate import load_model
 from k31jax.nn import quantize_experts
@@ -36,6 +43,13 @@ def per_file_bits(model, tokenizer, files: list[Path], seq_len: int, batch_size:
         r = evaluate(model, tokenizer, data, split="all")
         rows.append((r.bits_per_byte * r.bytes, r.bytes))
     return np.asarray(rows, np.float64)
+
+
+def without_routed_experts(model):
+    """A copy whose routed experts output zero (the weighted sum they feed is then zero)."""
+    model = nnx.clone(model)
+    model.moe.w_down[...] = jnp.zeros_like(model.moe.w_down[...])
+    return model
 
 
 def main() -> int:
@@ -57,19 +71,21 @@ def main() -> int:
     def dense(model):
         return with_index_topk(model, args.seq_len) if model.config.use_indexer else model
 
-    models = {"bf16": dense(bf16.model), "PTQ": dense(quantize_experts(bf16.model)), "QAT": dense(qat.model)}
+    models = {"bf16": dense(bf16.model), "PTQ": dense(quantize_experts(bf16.model)), "QAT": dense(qat.model),
+              "bf16, no routed experts": dense(without_routed_experts(bf16.model))}
     bits = {name: per_file_bits(m, bf16.tokenizer, files, args.seq_len, args.batch_size) for name, m in models.items()}
     n_bytes = bits["bf16"][:, 1]
     total = {name: b[:, 0].sum() / n_bytes.sum() for name, b in bits.items()}
     print(f"held out: {len(files)} files, {int(n_bytes.sum()):,} bytes; rows of {args.seq_len} tokens, float32, "
           "dense attention")
-    print(f"{'model':6s} {'bits/byte':>10s} {'vs bf16':>9s}")
+    print(f"{'model':24s} {'bits/byte':>10s} {'vs bf16':>9s}")
     for name, value in total.items():
-        print(f"{name:6s} {value:10.4f} {100 * (value / total['bf16'] - 1):+8.3f}%")
-    per_file = (bits["PTQ"][:, 0] - bits["QAT"][:, 0]) / n_bytes  # bits per byte, PTQ minus QAT, per file
-    mean, se = per_file.mean(), per_file.std(ddof=1) / math.sqrt(len(per_file))
-    print(f"PTQ - QAT per file: mean {mean:+.4f} bits/byte, standard error {se:.4f} ({mean / se:+.1f} SE); "
-          f"PTQ worse on {int((per_file > 0).sum())} of {len(per_file)} files")
+        print(f"{name:24s} {value:10.4f} {100 * (value / total['bf16'] - 1):+8.3f}%")
+    for worse, better in (("PTQ", "QAT"), ("PTQ", "bf16"), ("bf16, no routed experts", "bf16")):
+        per_file = (bits[worse][:, 0] - bits[better][:, 0]) / n_bytes  # bits per byte, per file
+        mean, se = per_file.mean(), per_file.std(ddof=1) / math.sqrt(len(per_file))
+        print(f"{worse} - {better} per file: mean {mean:+.5f} bits/byte, standard error {se:.5f} "
+              f"({mean / se:+.1f} SE); {worse} worse on {int((per_file > 0).sum())} of {len(per_file)} files")
     return 0
 
 
