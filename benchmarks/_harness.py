@@ -10,6 +10,9 @@
 - `alternate(sides, repeats)`: the sides (k31jax and its peer) run in turn, one repeat each,
   after one warm-up each, so a change in machine load hits both alike.
 - `Stats`: median, minimum and maximum of the repeats; `ratio` divides medians.
+- Importing it applies `k31jax.distributed.tune_host_malloc` (as the `k31jax` commands that
+  run models do) before JAX starts; `K31JAX_HOST_MALLOC=0` measures glibc's defaults. The
+  header says which.
 - `record(section, lines, session)`: writes a block into `benchmarks/RESULTS.md`, replacing the
   block of the same section. It refuses when the session was loaded, unless `force=True`, and
   then the block says in bold that it was measured under load.
@@ -27,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from k31jax.distributed import tune_host_malloc
+
+HOST_MALLOC = tune_host_malloc()  # before anything starts JAX's backend
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
@@ -164,7 +170,8 @@ class Session:
         mark = f"  **UNDER LOAD (other processes shared the {self.cores} cores): not a result**" if self.loaded else ""
         return (f"{self.date}, {self.cpu}, {self.cores} cores, jax {jax.__version__}, copy bandwidth "
                 f"{self.bandwidth_gbs:.1f} GB/s, load average {self.load_before:.1f} before / {after} after"
-                f"{other_text}, {time.perf_counter() - self.started:.0f} s{mark}")
+                f"{other_text}, host malloc {'tuned' if HOST_MALLOC else 'default'}, "
+                f"{time.perf_counter() - self.started:.0f} s{mark}")
 
 
 @dataclasses.dataclass(frozen=True)

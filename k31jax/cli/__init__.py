@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import argparse
 
+from ..distributed import backends_started, tune_host_malloc
 from . import _convert, _generate, _paper, _serve, _train
 from ._common import CliParser
+
+# Commands that run a model: their XLA:CPU buffers are reused rather than faulted in anew each
+# call (`tune_host_malloc`). The converter streams tensors larger than anything it keeps.
+MODEL_COMMANDS = frozenset({"generate", "chat", "serve", "train", "eval"})
 
 REGISTRARS = (_paper.register_info, _generate.register, _generate.register_chat, _convert.register,
               _paper.register_plan, _train.register, _serve.register)
@@ -25,5 +30,7 @@ def build_parser(prog: str = "k31jax") -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in MODEL_COMMANDS and not backends_started():  # a fresh process, not a test calling main()
+        tune_host_malloc()
     return args.func(args)
 

@@ -1,5 +1,5 @@
 """Placing the model on meshes: sharded init and restore, cache placement, the per-device
-memory planner, and multi-process setup (`jax.distributed`).
+memory planner, and process setup (`jax.distributed`; `tune_host_malloc` for XLA:CPU buffers).
 
 Typical use::
 
@@ -13,6 +13,7 @@ Typical use::
     print(distributed.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20).table("b300"))
 """
 
+from ._host_malloc import backends_started, tune_host_malloc
 from ._initialize import initialize
 from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_specs, describe, init_sharded,
                          init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
@@ -21,8 +22,8 @@ from ._plan import DEVICES, MemoryPlan, plan_memory, suggest_mesh
 from ._plan_train import TrainingMemoryPlan, plan_training, suggest_training_mesh
 
 __all__ = [
-    "DEVICES", "MemoryPlan", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "cache_shardings",
+    "DEVICES", "MemoryPlan", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "backends_started", "cache_shardings",
     "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "load_sharded", "logical_axes",
     "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
-    "suggest_mesh", "suggest_training_mesh",
+    "suggest_mesh", "suggest_training_mesh", "tune_host_malloc",
 ]
