@@ -13,6 +13,8 @@
 - Importing it applies `k31jax.distributed.tune_host_malloc` (as the `k31jax` commands that
   run models do) before JAX starts; `K31JAX_HOST_MALLOC=0` measures glibc's defaults. The
   header says which.
+- `add_record_arguments(parser)` / `report(section, name, lines, session, args)`: the `--record`
+  / `--force` flags, and printing the header and lines, recording them when asked.
 - `record(section, lines, session)`: writes a block into `benchmarks/RESULTS.md`, replacing the
   block of the same section. It refuses when the session was loaded, unless `force=True`, and
   then the block says in bold that it was measured under load.
@@ -222,6 +224,21 @@ def alternate(sides: dict[str, Callable[[], dict[str, float]]], repeats: int, *,
             for key, value in run().items():
                 seen[name].setdefault(key, []).append(float(value))
     return {name: {key: Stats.of(v) for key, v in values.items()} for name, values in seen.items()}
+
+
+def add_record_arguments(parser) -> None:
+    """`--record` and `--force`, the two flags `report` reads."""
+    parser.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
+    parser.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+
+
+def report(section: str, name: str, lines: Sequence[str], session: Session, args) -> None:
+    """Print the session's header and `lines`; with `args.record`, write them into RESULTS.md
+    under `section` (`record`, which refuses a loaded session unless `args.force`)."""
+    print(f"# {name} benchmark  " + session.header())
+    print("\n".join(lines))
+    if args.record:
+        record(section, lines, session, force=args.force)
 
 
 def record(section: str, lines: Sequence[str], session: Session, *, force: bool = False,

@@ -135,19 +135,19 @@ def _side(measure, *, before=None, after=None):
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _harness import Session, add_record_arguments, alternate, report
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--dir", default="/tmp/k31jax-bench-convert")
     ap.add_argument("--repeats", type=int, default=3, help="recorded rounds, each side once per round (>= 3)")
-    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     ap.add_argument("--keep", action="store_true", help="keep the synthetic files")
     a = ap.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _harness import Session, alternate, record
     from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
     from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
 
@@ -203,10 +203,7 @@ def main(argv=None) -> int:
     lines.append(f"export (checkpoint -> release layout): {export['MB/s']} MB/s")
     lines.append(f"memory: convert peak RSS {peak / 1e9:.2f} GB (VmHWM) vs bound 1.5 GB + largest layer "
                  f"{largest / 1e9:.2f} GB = {bound / 1e9:.2f} GB -> {'OK' if peak < bound else 'EXCEEDED'}")
-    print("# convert benchmark  " + session.header())
-    print("\n".join(lines))
-    if a.record:
-        record("convert", lines, session, force=a.force)
+    report("convert", "convert", lines, session, a)
     if not a.keep:
         shutil.rmtree(base, ignore_errors=True)
     return 0

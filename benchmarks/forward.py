@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import k31jax  # noqa: E402
-from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, report, torch_python  # noqa: E402
 
 # A small Kimi Linear: 8 layers (MLA at 0-indexed 3 and 7), hidden 256, 32 experts top-4.
 CONFIG = {
@@ -119,8 +119,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--record", action="store_true", help="write the block into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args(argv)
     if torch_python() is None:
         raise SystemExit("no torch venv: run scripts/make_torch_venv.sh or set K31JAX_TORCH_PYTHON")
@@ -142,10 +141,7 @@ def main(argv=None):
     if facts.get("n_params") not in (None, n_params):
         lines.append(f"note: parameter counts differ: k31jax {n_params:,} vs transformers {facts['n_params']:,}")
     lines.append(f"transformers {facts['transformers']}, torch {facts['torch']}, code path {facts['code_path']}")
-    print("# forward benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("forward", lines, session, force=args.force)
+    report("forward", "forward", lines, session, args)
 
 
 if __name__ == "__main__":

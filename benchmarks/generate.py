@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, report, torch_python  # noqa: E402
 
 CONFIG = {
     "model_type": "kimi_linear", "vocab_size": 32768, "hidden_size": 512, "num_hidden_layers": 12,
@@ -137,8 +137,7 @@ def main():
     ap.add_argument("--torch-experts", default="grouped_mm",
                     help="transformers experts implementation (eager | grouped_mm | batched_mm)")
     ap.add_argument("--torch-timeout", type=float, default=1200, help="seconds per transformers run")
-    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args()
     session = Session()
     if not args.no_torch and torch_python() is None:
@@ -186,10 +185,7 @@ def main():
     if t:
         lines.append(f"transformers {t['transformers']}, torch {t['torch']}, {t['threads']} threads, "
                      f"experts {args.torch_experts}, code path {t['code_path']}, params {t['n_params']:,}")
-    print("# generate benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("generate", lines, session, force=args.force)
+    report("generate", "generate", lines, session, args)
 
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _harness  # noqa: E402  (applies tune_host_malloc unless K31JAX_HOST_MALLOC=0, before JAX starts)
-from _harness import Session, alternate, ratio, record  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, report  # noqa: E402
 
 
 def child(batch: int, context: int, new_tokens: int) -> None:
@@ -61,8 +61,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args()
     if args.child:
         child(args.batches[0], args.context, args.new_tokens)
@@ -80,10 +79,7 @@ def main() -> None:
         lines.append(f"{b:>5} {'TTFT s':14}{str(ours['ttft_s']):>26}{str(theirs['ttft_s']):>26}"
                      f"{ratio(theirs['ttft_s'], ours['ttft_s']):7.2f}x")
     session.finish()
-    print("# host malloc benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("host_malloc", lines, session, force=args.force)
+    report("host_malloc", "host malloc", lines, session, args)
 
 
 if __name__ == "__main__":

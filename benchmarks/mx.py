@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from _harness import Session, Stats, alternate, record, timed  # noqa: E402
+from _harness import Session, Stats, add_record_arguments, alternate, report, timed  # noqa: E402
 from k31jax.quant import (  # noqa: E402
     dequantize,
     mxfp4_dequantize_packed,
@@ -300,8 +300,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="size of the float32 tensor in MiB")
     ap.add_argument("--repeats", type=int, default=5, help="recorded rounds, each side once per round (>= 3)")
-    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     ap.add_argument("--thp", action="store_true",
                     help=f"re-run with GLIBC_TUNABLES={THP_TUNABLE} (huge pages for XLA's buffers)")
     args = ap.parse_args()
@@ -317,10 +316,7 @@ def main() -> None:
              f"{args.repeats} alternating rounds after a warm-up; fresh = new outputs, reuse = donated buffers",
              *table(bench_quant(args.mib, args.repeats)), "", *bench_expert_forward(args.repeats)]
     session.finish()
-    print("# mx benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("mx", lines, session, force=args.force)
+    report("mx", "mx", lines, session, args)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, record  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, report  # noqa: E402
 
 
 def wide():
@@ -114,8 +114,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS),
                     help="which forms to build (the unrolled ones compile for minutes at 93 layers)")
-    ap.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args()
     import jax
 
@@ -154,10 +153,7 @@ def main():
                      f"{(forms['scanned'][0] + forms['scanned'][1]) / (forms[name][0] + forms[name][1]):.2f}x "
                      f"(time ratios: > 1 means the scan is slower)")
     lines.append(f"logits of the {len(forms)} forms agree to {agree:.1e} (relative to the largest)")
-    print("# scan benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("scan" if args.shape == "narrow-k3" else "scan_wide", lines, session, force=args.force)
+    report("scan" if args.shape == "narrow-k3" else "scan_wide", "scan", lines, session, args)
 
 
 if __name__ == "__main__":

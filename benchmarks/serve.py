@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import OtherCPU, Session, alternate, ratio, record  # noqa: E402
+from _harness import OtherCPU, Session, add_record_arguments, alternate, ratio, record  # noqa: E402
 
 from k31jax import count_params  # noqa: E402
 from k31jax.generate import Engine, PrefixCache, Request, SamplingParams, Scheduler, load_model  # noqa: E402
@@ -282,8 +282,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-session", action="store_true")
-    ap.add_argument("--record", action="store_true", help="write the block into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args(argv)
     sess = Session()
     say = Lines()

@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Session, alternate, record, timed  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, report, timed  # noqa: E402
 from k31jax import Backends, ModelConfig, distributed, sharding  # noqa: E402
 from k31jax.nn import LatentMoE  # noqa: E402
 
@@ -86,8 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-compile", action="store_true")
-    p.add_argument("--record", action="store_true", help="write the result into benchmarks/RESULTS.md")
-    p.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(p)
     args = p.parse_args(argv)
     session = Session()
     m = bench_moe(args.tokens, args.experts, args.repeats)
@@ -108,10 +107,7 @@ def main(argv=None) -> int:
             lines.append(f"  {name:>8}: lower {lo:.1f} s, compile {co:.1f} s, total {lo + co:.1f} s")
         lines.append(f"unrolled / scanned = {sum(c['unrolled']) / sum(c['scanned']):.1f}x")
     session.finish()
-    print("# sharding benchmark  " + session.header())
-    print("\n".join(lines))
-    if args.record:
-        record("sharding" if not args.skip_compile else "sharding_moe", lines, session, force=args.force)
+    report("sharding" if not args.skip_compile else "sharding_moe", "sharding", lines, session, args)
     return 0
 
 

@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, record, torch_python  # noqa: E402
 
 # The forward.py config (a small Kimi Linear: MLA at 1-indexed 4 and 8, KDA elsewhere).
 CONFIG = {
@@ -400,8 +400,7 @@ def main():
                     help="learning rates to run AdamW at (none: skip it)")
     ap.add_argument("--muon-lrs", type=float, nargs="*", default=[3e-3, 1e-2],
                     help="learning rates to run Muon at (none: skip it)")
-    ap.add_argument("--record", action="store_true", help="write the report into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args()
     if args.repeats < 3:
         ap.error(f"--repeats {args.repeats}: the project standard is at least 3")

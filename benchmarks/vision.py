@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Session, alternate, ratio, record, torch_python  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, record, torch_python  # noqa: E402
 
 K3_WIDTH = dict(patch_size=14, hidden=1024, heads=12, qkv=1536, mlp=4096, pos_h=64, pos_w=64, text=7168, merge=2,
                 projector_eps=1e-5)
@@ -82,8 +82,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--record", action="store_true", help="write the block into benchmarks/RESULTS.md")
-    ap.add_argument("--force", action="store_true", help="record even under load (marked)")
+    add_record_arguments(ap)
     args = ap.parse_args(argv)
 
     import jax
