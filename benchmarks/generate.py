@@ -5,8 +5,9 @@
 
 - Config: hidden 512, 12 layers (MLA at 1-indexed 4, 8, 12; KDA elsewhere), 64 experts top-4
   + 1 shared, vocab 32768, float32, random weights. Both sides build it from one HF config dict.
-- k31jax: `Engine(model, max_len=context + new_tokens, prefill_chunk=--chunk)`, greedy, no stop
-  ids. A warm-up `generate` compiles every program first; timings exclude compilation. TTFT = prompt to first token on the host; decode tok/s = batch *
+- k31jax: `Engine(model, max_len=context + new_tokens, prefill_chunk=c)`, greedy, no stop
+  ids, for each c of --chunks (default: the engine's default 512, and the whole context in one
+  call, as transformers' `generate()` prefills it; one engine each, the same weights). A warm-up `generate` compiles every program first; timings exclude compilation. TTFT = prompt to first token on the host; decode tok/s = batch *
   (N - 1) / (time from the first token to the last).
 - transformers: `benchmarks/_torch_runner.py --generate --generate-only --generate-streamer` in
   the torch venv ($K31JAX_TORCH_PYTHON or ./.torchvenv/bin/python, made by scripts/make_torch_venv.sh), eager attention,
@@ -26,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -81,13 +83,11 @@ def floor_bytes_per_step(cfg, batch: int, context: int) -> int:
 def k31jax_side(batch, context, new_tokens, chunk):
     """(one-repeat callable, facts): the engine is built and every program compiled first."""
     import jax
-    from flax import nnx
 
     import k31jax
     from k31jax.generate import Engine
 
-    cfg = k31jax.ModelConfig.from_hf(CONFIG, dtype="float32")
-    model = k31jax.K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    cfg, model = k31jax_model()
     engine = Engine(model, max_len=context + new_tokens, prefill_chunk=chunk)
     prompts = np.random.default_rng(1).integers(3, cfg.vocab_size, (batch, context)).tolist()
     # Compile every program: a prompt of min(context, chunk) tokens runs the same [batch, width]
@@ -104,6 +104,17 @@ def k31jax_side(batch, context, new_tokens, chunk):
 
     return run, dict(compile_s=engine.compile_seconds, xla_bytes_per_step=float(cost.get("bytes accessed", float("nan"))),
                      n_params=k31jax.count_params(cfg).total, cfg=cfg, jax=jax.__version__)
+
+
+@functools.cache
+def k31jax_model():
+    """(config, model): one set of weights for every k31jax side."""
+    from flax import nnx
+
+    import k31jax
+
+    cfg = k31jax.ModelConfig.from_hf(CONFIG, dtype="float32")
+    return cfg, k31jax.K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
 
 
 def bench_torch(batch, context, new_tokens, repeats, threads, experts_impl, timeout):
@@ -132,20 +143,22 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=17)
     ap.add_argument("--repeats", type=int, default=3, help="recorded rounds, each side once per round (>= 3)")
-    ap.add_argument("--chunk", type=int, default=512, help="k31jax prefill_chunk")
+    ap.add_argument("--chunks", type=int, nargs="+", help="k31jax prefill_chunk values (default: 512 and --context)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--torch-experts", default="grouped_mm",
                     help="transformers experts implementation (eager | grouped_mm | batched_mm)")
     ap.add_argument("--torch-timeout", type=float, default=1200, help="seconds per transformers run")
     add_record_arguments(ap)
     args = ap.parse_args()
+    chunks = list(dict.fromkeys(min(c, args.context) for c in args.chunks or [512, args.context]))
     session = Session()
     if not args.no_torch and torch_python() is None:
         raise SystemExit("no torch venv: run scripts/make_torch_venv.sh, set K31JAX_TORCH_PYTHON, or pass --no-torch")
     rows = []
     for b in args.batches:
-        ours, facts = k31jax_side(b, args.context, args.new_tokens, args.chunk)
-        sides = {"k31jax": ours}
+        sides, facts = {}, {}
+        for c in chunks:
+            sides[f"chunk {c}"], facts[c] = k31jax_side(b, args.context, args.new_tokens, c)
         if not args.no_torch:
             def theirs(b=b):
                 out, err = bench_torch(b, args.context, args.new_tokens, 1, session.cores, args.torch_experts,
@@ -157,36 +170,40 @@ def main():
             sides["transformers"] = theirs
         rows.append((b, alternate(sides, args.repeats), facts))
     session.finish()
-    cfg = rows[0][2]["cfg"]
+    first = rows[0][2][chunks[0]]
+    cfg = first["cfg"]
     lines = [f"config: Kimi Linear shape, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
              f"(MLA {[i + 1 for i in cfg.mla_layers]}), {cfg.num_experts} experts top-{cfg.num_experts_per_token}, "
-             f"vocab {cfg.vocab_size}, {rows[0][2]['n_params'] / 1e6:.0f}M params, float32; context {args.context}, "
-             f"{args.new_tokens} new tokens, greedy; k31jax prefill_chunk {args.chunk}; "
+             f"vocab {cfg.vocab_size}, {first['n_params'] / 1e6:.0f}M params, float32; context {args.context}, "
+             f"{args.new_tokens} new tokens, greedy; k31jax prefill_chunk {' and '.join(map(str, chunks))}; "
              f"median [min, max] of {args.repeats} alternating rounds",
-             f"{'batch':>5} {'':14}{'k31jax':>26}{'transformers':>26}{'ratio':>8}"]
+             f"{'batch':>5} {'':14}{'chunk':>6}{'k31jax':>26}{'transformers':>26}{'ratio':>8}"]
     for b, stats, _ in rows:
-        ours, theirs = stats["k31jax"], stats.get("transformers")
+        theirs = stats.get("transformers")
         for key, label, better_high in (("decode_tok_s", "decode tok/s", True), ("ttft_s", "TTFT s", False)):
             t = theirs[key] if theirs else None
-            r = (ratio(ours[key], t) if better_high else ratio(t, ours[key])) if t else float("nan")
-            lines.append(f"{b:>5} {label:14}{str(ours[key]):>26}{str(t) if t else '-':>26}{r:7.2f}x")
-    lines.append(f"{'batch':>5} {'floor MB/tok':>13} {'k31jax XLA MB/tok':>18} {'floor tok/s':>12} "
+            for c in chunks:
+                ours = stats[f"chunk {c}"][key]
+                r = (ratio(ours, t) if better_high else ratio(t, ours)) if t else float("nan")
+                lines.append(f"{b:>5} {label:14}{c:>6}{str(ours):>26}{str(t) if t else '-':>26}{r:7.2f}x")
+    lines.append(f"{'batch':>5} {'chunk':>6} {'floor MB/tok':>13} {'k31jax XLA MB/tok':>18} {'floor tok/s':>12} "
                  f"{'k31jax % floor':>15} {'transformers % floor':>21}")
     for b, stats, facts in rows:
         floor = floor_bytes_per_step(cfg, b, args.context)
         floor_tok_s = b / (floor / (session.bandwidth_gbs * 1e9))
         t = stats.get("transformers")
         t_dec = t["decode_tok_s"].median if t else float("nan")
-        lines.append(f"{b:>5} {floor / b / 1e6:13.1f} {facts['xla_bytes_per_step'] / b / 1e6:18.1f} "
-                     f"{floor_tok_s:12.1f} {100 * stats['k31jax']['decode_tok_s'].median / floor_tok_s:14.1f}% "
-                     f"{100 * t_dec / floor_tok_s:20.1f}%")
-    lines.append("k31jax compile (excluded above): " + ", ".join(f"batch {b}: {f['compile_s']:.0f} s" for b, _, f in rows))
+        for c in chunks:
+            lines.append(f"{b:>5} {c:>6} {floor / b / 1e6:13.1f} {facts[c]['xla_bytes_per_step'] / b / 1e6:18.1f} "
+                         f"{floor_tok_s:12.1f} {100 * stats[f'chunk {c}']['decode_tok_s'].median / floor_tok_s:14.1f}% "
+                         f"{100 * t_dec / floor_tok_s:20.1f}%")
+    lines.append("k31jax compile (excluded above): " + ", ".join(
+        f"batch {b} chunk {c}: {f[c]['compile_s']:.0f} s" for b, _, f in rows for c in chunks))
     t = next((f["torch"] for _, _, f in rows if "torch" in f), None)
     if t:
         lines.append(f"transformers {t['transformers']}, torch {t['torch']}, {t['threads']} threads, "
                      f"experts {args.torch_experts}, code path {t['code_path']}, params {t['n_params']:,}")
     report("generate", "generate", lines, session, args)
-
 
 
 if __name__ == "__main__":

@@ -258,6 +258,19 @@ def test_cli_chat_subprocess_with_piped_stdin():
     assert "SEEDED RANDOM" in proc.stderr and '"role": "assistant"' in proc.stdout
 
 
+def test_embedded_preset_uses_the_embedded_models_tokenizer():
+    """`--config embedded` (random weights of the embedded architecture) speaks the embedded
+    model's BPE: its config's bos / eos ids are that tokenizer's, not a byte tokenizer's."""
+    from k31jax.chat import KimiTokenizer
+    from k31jax.generate import _loading
+
+    loaded = _loading.load_model(config="embedded")
+    cfg = loaded.model.config
+    assert isinstance(loaded.tokenizer, KimiTokenizer)
+    assert (loaded.tokenizer.bos_id, loaded.tokenizer.end_of_msg_id) == (cfg.bos_token_id, cfg.eos_token_id)
+    assert isinstance(_loading.load_model(config="tiny").tokenizer, ByteTokenizer)
+
+
 def test_load_model_routes_orbax_and_safetensors_folders(tmp_path, monkeypatch):
     from k31jax.generate import _loading
 
@@ -272,7 +285,8 @@ def test_load_model_routes_orbax_and_safetensors_folders(tmp_path, monkeypatch):
     st.mkdir()
     (st / "model-00001-of-00001.safetensors").write_bytes(b"")
     loaded = _loading.load_model(orbax, dtype="float32")
-    assert loaded.model is sentinel and loaded.banner is None and isinstance(loaded.tokenizer, ByteTokenizer)
+    assert loaded.model is sentinel and isinstance(loaded.tokenizer, ByteTokenizer)
+    assert f"no tiktoken.model in {orbax}: using the byte-level tokenizer" in loaded.banner
     _loading.load_model(st)
     assert calls == [("orbax", {"dtype": "float32"}), ("hf", {"dtype": None})]
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k31jax.ops import MXFP4Weight, routed_experts
+from k31jax.ops import MXFP4Weight, blocked_rows, grouped_matmul, grouped_matmul_blocked, permute, routed_experts
 from k31jax.quant import mxfp4_quantize_packed
 
 
@@ -51,3 +51,20 @@ def test_blocked_with_packed_mxfp4_equals_ragged():
     b = fn(x, idx, w, *packed, impl="ragged")
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(a - fn(x, idx, w, *ws, impl="ragged")).max()) > 0  # quantisation is real
+
+
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_blocked_block_sizes_equal_ragged(block):
+    """Every block size `blocked_rows` picks, on groups of every kind: an expert with no rows,
+    one with a row from every token, groups shorter and longer than the block, and tokens
+    that chose the same expert twice."""
+    x, idx, _, ws = _case(301, 4, 12, 64, 32, "one_expert", seed=5)
+    idx = jnp.where(idx == 0, 1, idx)  # expert 0 idle; some tokens now hold expert 1 twice
+    xs, _, sizes = permute(x, idx, 12)
+    assert int(sizes[0]) == 0 and int(sizes.max()) > block and bool(jnp.any(sizes % block))
+    got = jax.jit(grouped_matmul_blocked, static_argnames="block")(xs, ws[0], sizes, block=block)
+    np.testing.assert_allclose(got, grouped_matmul(xs, ws[0], sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_rows_grows_with_rows_per_expert():
+    assert [blocked_rows(n * 4, 64) for n in (1, 512, 2048, 16384)] == [32, 32, 64, 256]

@@ -157,7 +157,12 @@ def _load_text(ckpt, *, config, seed, dtype, tokenizer) -> LoadedModel:
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
         model = _load_orbax(path, dtype) if is_orbax_checkpoint(path) else load_hf_weights(path, dtype=dtype)
         cfg = model.config
-        return LoadedModel(model, load_tokenizer(tokenizer or path, cfg.vocab_size), str(path),
+        tok = load_tokenizer(tokenizer or path, cfg.vocab_size)
+        banner = None
+        if isinstance(tok, ByteTokenizer):  # right for a byte-trained tiny model, garbage for a BPE one
+            banner = (f"no tiktoken.model in {tokenizer or path}: using the byte-level tokenizer (vocabulary "
+                      f"{cfg.vocab_size:,}); pass --tokenizer DIR if this model was trained with another")
+        return LoadedModel(model, tok, str(path), banner,
                            vision_loader=_checkpoint_vision(path, cfg, dtype) if cfg.vision is not None else None)
     if config is None:
         path = embedded_model_dir()
@@ -176,5 +181,7 @@ def _load_text(ckpt, *, config, seed, dtype, tokenizer) -> LoadedModel:
     model = K31ForCausalLM(cfg, rngs=nnx.Rngs(seed))
     banner = (f"--config {config}: SEEDED RANDOM weights (seed {seed}); its text is meaningless. "
               "Without --config, the trained embedded default model runs.")
+    if tokenizer is None and config == DEFAULT_MODEL:  # its ids are the embedded model's BPE's, not bytes
+        tokenizer = embedded_model_dir()
     return LoadedModel(model, load_tokenizer(tokenizer, cfg.vocab_size), f"preset:{config}", banner,
                        vision_loader=_random_vision(cfg, seed, f"--config {config}"))

@@ -81,6 +81,18 @@ def grouped_matmul(
     return y.astype(x_sorted.dtype)
 
 
+# (mean rows per expert below which, block) for the "blocked" path; 256 above the last.
+# Measured on CPU by benchmarks/moe_blocks.py (RESULTS.md "## moe blocks"): 32 is fastest up
+# to ~32 rows per expert, 64 from 64 to 256 (up to 1.4x faster than 32), 256 at 1,024 (1.9x).
+_BLOCK_BY_MEAN_ROWS = ((48, 32), (768, 64))
+
+
+def blocked_rows(assignments: int, num_experts: int) -> int:
+    """The row block of `grouped_matmul_blocked` for `assignments` (token, expert) rows."""
+    mean = assignments / num_experts
+    return next((block for below, block in _BLOCK_BY_MEAN_ROWS if mean < below), 256)
+
+
 def grouped_matmul_blocked(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False, block: int = 32,
@@ -180,7 +192,10 @@ def routed_experts(
     if impl in ("ragged", "blocked"):
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
-        matmul = grouped_matmul if impl == "ragged" else grouped_matmul_blocked
+        if impl == "ragged":
+            matmul = grouped_matmul
+        else:
+            matmul = functools.partial(grouped_matmul_blocked, block=blocked_rows(n * k, num_experts))
 
         def gmm(inp, w):
             return matmul(inp, w, sizes, weight_fake_quant)
