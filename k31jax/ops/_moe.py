@@ -158,7 +158,8 @@ def routed_experts(
     (E4M3, rceil scales, blocks of 32 along the contraction axis).
 
     impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training on GPU/TPU).
-    impl="blocked": the same sort, then a loop over expert-homogeneous row blocks (CPU).
+    impl="blocked": the same sort, then one batched matmul over expert-homogeneous row blocks
+    of `blocked_rows` rows (CPU).
     impl="gather": gather each assignment's weights and run a batched matmul; reads only the
     chosen experts, which is what decode with few tokens wants.
     impl="pallas" | "interpret": the same sort, then the Pallas MXFP4 grouped matmul of
