@@ -181,6 +181,17 @@ def test_raw_completions(oai):
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 5
 
 
+def test_raw_completion_with_token_healing(oai):
+    """`heal_prompt` (extension field): the prompt's last token ("n", a byte here) is backed
+    off, the first generated token is forced to start with it, and the text leaves it out."""
+    plain = oai.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0)
+    r = oai.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0, logprobs=1,
+                               extra_body={"heal_prompt": True})
+    tokens = r.choices[0].logprobs.tokens
+    assert tokens[0] == "n" and r.choices[0].text == "".join(tokens)[1:]
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens - 1
+
+
 def test_errors_in_each_schema(server, oai):
     h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     url = f"{server}/v1/chat/completions"

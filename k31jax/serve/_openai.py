@@ -3,7 +3,10 @@
 Reasoning travels as ``reasoning_content`` (message and stream delta) and is accepted back in
 requests; tool calls carry server-minted ``call_<24 hex>`` ids. Extension fields (ignored by
 OpenAI clients unless set via ``extra_body``): ``top_k``, ``thinking_budget`` (a hard cap on
-reasoning tokens). User content may hold ``image_url`` parts (``_protocol.RequestImages``).
+reasoning tokens), and for ``/v1/completions`` ``heal_prompt`` (token healing: the prompt's last
+token is backed off and the first generated one must start with its bytes, which the returned
+text leaves out; `k31jax.generate.heal_prompt`). User content may hold ``image_url`` parts
+(``_protocol.RequestImages``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..chat import ParsedMessage
-from ..generate import Request
+from ..generate import Request, heal_prompt
 from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, function_tools, get, in_range,
                         invalid, render_prompt, sampling, stop_list, tool_choice_spec)
 
@@ -114,9 +117,12 @@ def completion_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec
     in_range("logprobs", logprobs, 0, 5)
     get(body, "stream", bool)
     stop = stop_list(body.get("stop"), "stop", 4)
+    healed = b""
+    if get(body, "heal_prompt", bool, False):
+        ids, healed = heal_prompt(tokenizer, ids)
     max_tokens = check_context(len(ids), max_tokens, max_len, "max_tokens")
     req = Request(ids, sampling(temperature, top_p, get(body, "top_k", int), get(body, "seed", int)),
-                  max_tokens, None, stop)
+                  max_tokens, None, stop, healed_prefix=healed)
     return GenSpec(req, None, False, logprobs is not None, logprobs or 0)
 
 
