@@ -192,6 +192,10 @@ class Stats:
     def __str__(self) -> str:
         return f"{self.median:.4g} [{self.low:.4g}, {self.high:.4g}]"
 
+    def rate(self, amount: float) -> Stats:
+        """`amount` per unit of these times: at the median time [at the slowest, at the fastest]."""
+        return Stats(amount / self.median, amount / self.high, amount / self.low, self.n)
+
 
 def ratio(numerator: Stats, denominator: Stats) -> float:
     return numerator.median / denominator.median

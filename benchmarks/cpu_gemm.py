@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Session, add_record_arguments, alternate, ratio, report  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, ratio, report, timed  # noqa: E402
 
 # (name, in, out): generate.py's LM head, dense MLP, and one routed expert's matrix
 SHAPES = (("lm head", 512, 32768), ("dense up", 512, 1536), ("dense down", 1536, 512), ("expert", 512, 256))
@@ -55,20 +54,12 @@ def main():
             x = jnp.asarray(x_np)
             fn = jax.jit(lambda x, ws: [x @ w for w in ws])
             jax.block_until_ready(fn(x, ws))
-
-            def xla(fn=fn, x=x, ws=ws):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(x, ws))
-                return {"gbs": gb / (time.perf_counter() - t0)}
-
-            def blas(x=x_np, ws=ws_np):
-                t0 = time.perf_counter()
-                for w in ws:
-                    np.matmul(x, w)
-                return {"gbs": gb / (time.perf_counter() - t0)}
-            stats = alternate({"xla": xla, "numpy": blas}, args.repeats)
-            lines.append(f"{name:>11} {f'{d_in}x{d_out}':>12} {b:>3}{str(stats['xla']['gbs']):>24}"
-                         f"{str(stats['numpy']['gbs']):>24}{ratio(stats['xla']['gbs'], stats['numpy']['gbs']):>10.2f}x")
+            stats = alternate({"xla": timed(lambda fn=fn, x=x, ws=ws: fn(x, ws)),
+                               "numpy": timed(lambda x=x_np, ws=ws_np: [np.matmul(x, w) for w in ws])},
+                              args.repeats)
+            xla, blas = (stats[side]["s"].rate(gb) for side in ("xla", "numpy"))
+            lines.append(f"{name:>11} {f'{d_in}x{d_out}':>12} {b:>3}{str(xla):>24}{str(blas):>24}"
+                         f"{ratio(xla, blas):>10.2f}x")
     session.finish()
     report("cpu_gemm", "cpu_gemm", lines, session, args)
 

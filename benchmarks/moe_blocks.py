@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Session, add_record_arguments, alternate, report  # noqa: E402
+from _harness import Session, add_record_arguments, alternate, report, timed  # noqa: E402
 
 BLOCKS = (32, 64, 128, 256)
 
@@ -47,8 +46,8 @@ def main():
     e, k = args.experts, args.top_k
     w = jnp.asarray(rng.standard_normal((e, args.inter, args.hidden), np.float32) * 0.02)
     lines = [f"one expert matrix: {e} experts [{args.inter} x {args.hidden}], top-{k}, float32, "
-             f"{jax.default_backend()}; ms, median [min, max] of {args.repeats} alternating rounds",
-             f"{'tokens':>7} {'rows/expert':>11} " + "".join(f"{f'block {b}':>24}" for b in BLOCKS)
+             f"{jax.default_backend()}; seconds, median [min, max] of {args.repeats} alternating rounds",
+             f"{'tokens':>7} {'rows/expert':>11} " + "".join(f"{f'block {b}':>30}" for b in BLOCKS)
              + f"{'fastest':>9}{'picked':>8}{'picked/fastest':>16}"]
     for n in args.tokens:
         x = jnp.asarray(rng.standard_normal((n, args.hidden), np.float32))
@@ -58,17 +57,12 @@ def main():
         for b in BLOCKS:
             fn = jax.jit(lambda xs, w, s, b=b: grouped_matmul_blocked(xs, w, s, block=b))
             jax.block_until_ready(fn(xs, w, sizes))  # compile outside the timed rounds
-
-            def run(fn=fn):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(xs, w, sizes))
-                return {"ms": 1e3 * (time.perf_counter() - t0)}
-            sides[b] = run
+            sides[b] = timed(lambda fn=fn: fn(xs, w, sizes))
         stats = alternate(sides, args.repeats)
-        medians = {b: stats[b]["ms"].median for b in BLOCKS}
+        medians = {b: stats[b]["s"].median for b in BLOCKS}
         fastest = min(medians, key=medians.get)
         picked = blocked_rows(n * k, e)
-        lines.append(f"{n:>7} {n * k / e:>11.0f} " + "".join(f"{str(stats[b]['ms']):>24}" for b in BLOCKS)
+        lines.append(f"{n:>7} {n * k / e:>11.0f} " + "".join(f"{str(stats[b]['s']):>30}" for b in BLOCKS)
                      + f"{fastest:>9}{picked:>8}{medians[picked] / medians[fastest]:>15.2f}x")
     session.finish()
     report("moe_blocks", "moe_blocks", lines, session, args)

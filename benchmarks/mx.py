@@ -242,7 +242,8 @@ def bench_quant(mib: int, repeats: int) -> list[tuple]:
 
 def _gbs(nbytes: int, t: Stats) -> str:
     """GB/s at the median time [at the slowest, at the fastest]."""
-    return f"{nbytes / t.median / 1e9:.2f} [{nbytes / t.high / 1e9:.2f}, {nbytes / t.low / 1e9:.2f}]"
+    r = t.rate(nbytes / 1e9)
+    return f"{r.median:.2f} [{r.low:.2f}, {r.high:.2f}]"
 
 
 def table(results: list[tuple]) -> list[str]:
