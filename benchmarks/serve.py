@@ -4,7 +4,8 @@ In-process on the `Scheduler` (its own thread, as in `k31jax serve`; no HTTP), s
 numbers are the scheduler's and the engine's.
 
     .venv/bin/python benchmarks/serve.py [--config PRESET] [--clients 32] [--requests-per-client 4] [--max-batch 8]
-                                         [--repeats 3] [--record]
+                                         [--repeats 3] [--skip-throughput] [--skip-session] [--skip-startup]
+                                         [--record]
 
 Model: the embedded default model (`load_model()`: 7.8M parameters, hidden 128, 8 layers, what
 `k31jax serve` serves without --ckpt) unless `--config PRESET` (seeded random weights).
@@ -37,11 +38,20 @@ Prompts are Python standard-library source text (what the embedded model was tra
    scheduler, resumed from the snapshot stored at the end of turn 1 (prefix cache on) vs
    prefilled cold (prefix cache off: the whole prompt in `--chunk`-token calls). The same
    compiled programs serve both sides.
+3. Start-up (issue 32): `k31jax serve` as users start it (the embedded model, its default
+   context, chunk and batch; `--quiet`), from the process start to its first /health answer
+   (listening), to the first answered request (a chat completion of 8 tokens, sent as soon as
+   it listens: it waits for the programs it needs), and to the end of the warm-up (every
+   program compiled, /health 200). Cold: an empty persistent compile cache
+   (`K31JAX_COMPILE_CACHE`); warm: one that an earlier start filled (one start fills it before
+   the timed rounds). Targets: the first answer within 30 s cold, 10 s warm, on the 2-core
+   machine.
 Method (`benchmarks/_harness.py`): in each part the two sides alternate, one warm-up each
-(throughput: every program of the run compiled and run once with 2 output tokens), then
-`--repeats` rounds; median [min, max]; the 1-minute load average before and after every timed
-run (it counts this benchmark's own 2 busy threads) and the CPU other processes used during
-the timed runs (`_harness.OtherCPU`). `--record` writes the printed block into RESULTS.md
+(throughput: every program of the run compiled and run once with 2 output tokens; start-up:
+the start that fills the warm cache), then `--repeats` rounds; median [min, max]; the 1-minute
+load average before and after every timed run (it counts this benchmark's own 2 busy threads)
+and the CPU other processes used during the timed runs (`_harness.OtherCPU`). `--record` writes
+the printed blocks into RESULTS.md, parts 1-2 as section `serve`, part 3 as `serve_startup`
 (refused when other processes shared the cores, unless `--force`, which marks it).
 """
 
@@ -52,12 +62,18 @@ import collections
 import dataclasses
 import math
 import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,6 +281,90 @@ def session(args, lm, ids, say: Lines) -> None:
     say("target: >= 3x faster time to first token at a few thousand tokens of history")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_start(cache: Path, log: Path, timeout: float = 1800) -> dict[str, float]:
+    """Start `k31jax serve` on `cache`; seconds from the process start to its first /health
+    answer, its first answered chat completion and the end of its warm-up. Stops it."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "k31jax.cli", "serve", "--port", str(port), "--quiet"]
+    env = {**os.environ, "K31JAX_COMPILE_CACHE": str(cache)}
+    t0 = time.perf_counter()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+    try:
+        def since() -> float:
+            if proc.poll() is not None:
+                raise RuntimeError(f"k31jax serve exited ({proc.returncode}): {log.read_text()[-2000:]}")
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"k31jax serve: no answer within {timeout} s")
+            return time.perf_counter() - t0
+
+        while True:
+            try:
+                httpx.get(f"{base}/health", timeout=5)
+                listening = since()
+                break
+            except httpx.HTTPError:
+                since()
+                time.sleep(0.05)
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=timeout, json={
+            "model": "k31jax-embedded", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "def add(a, b):"}]})
+        r.raise_for_status()
+        answered = since()
+        while not httpx.get(f"{base}/health", timeout=5).json()["ready"]:
+            since()
+            time.sleep(0.2)
+        return {"listening_s": listening, "first_answer_s": answered, "ready_s": since()}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def startup(args, say: Lines) -> None:
+    root = Path(tempfile.mkdtemp(prefix="k31jax-serve-bench-"))
+    warm_cache = root / "warm"
+    loads = {"cold": [], "warm": []}
+    foreign = OtherCPU()
+    counter = iter(range(1 << 30))
+
+    def cold():
+        cache = root / f"cold{next(counter)}"
+        try:
+            return timed(lambda: serve_start(cache, root / "serve.log"), loads["cold"], foreign)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def warm():
+        return timed(lambda: serve_start(warm_cache, root / "serve.log"), loads["warm"], foreign)
+
+    try:
+        serve_start(warm_cache, root / "serve.log")  # the warm side's warm-up: fills its cache
+        stats = alternate({"cold": cold, "warm": warm}, args.repeats, warmup=0)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    say("## start-up: `k31jax serve` (embedded model, defaults) to its first answered request")
+    say(f"from the process start, seconds; cold = empty compile cache, warm = one an earlier start filled; "
+        f"{args.repeats} rounds alternating after one start that fills the warm cache")
+    say(f"{'':6}{'listening':>26}{'first answer':>26}{'warm-up done':>26}")
+    for name in ("cold", "warm"):
+        st = stats[name]
+        say(f"{name:6}{str(st['listening_s']):>26}{str(st['first_answer_s']):>26}{str(st['ready_s']):>26}")
+    say(f"targets: first answer <= 30 s cold ({stats['cold']['first_answer_s'].median:.1f}), <= 10 s warm "
+        f"({stats['warm']['first_answer_s'].median:.1f})")
+    say(f"1-min load before/after each timed run: cold {' '.join(loads['cold'])}; warm {' '.join(loads['warm'])}; "
+        f"other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="preset with random weights (default: the embedded model)")
@@ -282,23 +382,29 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-session", action="store_true")
+    ap.add_argument("--skip-startup", action="store_true")
     add_record_arguments(ap)
     args = ap.parse_args(argv)
     sess = Session()
-    say = Lines()
-    lm = load_model(config=args.config)
-    n_params = count_params(lm.model.config).total  # packed MXFP4 stores two parameters per byte
-    say(f"model: {args.config or 'the embedded default model (trained)'}, {n_params:,} parameters, "
-        f"{lm.model.config.dtype}")
-    ids = corpus_ids(lm.tokenizer)
-    if not args.skip_throughput:
-        throughput(args, lm, ids, say)
-    if not args.skip_session:
-        session(args, lm, ids, say)
+    say, say_startup = Lines(), Lines()
+    if not (args.skip_throughput and args.skip_session):
+        lm = load_model(config=args.config)
+        n_params = count_params(lm.model.config).total  # packed MXFP4 stores two parameters per byte
+        say(f"model: {args.config or 'the embedded default model (trained)'}, {n_params:,} parameters, "
+            f"{lm.model.config.dtype}")
+        ids = corpus_ids(lm.tokenizer)
+        if not args.skip_throughput:
+            throughput(args, lm, ids, say)
+        if not args.skip_session:
+            session(args, lm, ids, say)
+    if not args.skip_startup:
+        startup(args, say_startup)
     sess.finish()
     print(f"# {sess.header()}")
     if args.record:
-        record("serve", say.lines, sess, force=args.force)
+        for section, lines in (("serve", say.lines), ("serve_startup", say_startup.lines)):
+            if lines:
+                record(section, lines, sess, force=args.force)
 
 
 if __name__ == "__main__":

@@ -542,12 +542,43 @@ def _check_consistent(text: dict, fields: dict) -> None:
                           "selection-only bias)")
     mlp = text.get("mlp_layer_types")
     if mlp is not None:
-        want = ["sparse" if fields["num_experts"] and i >= fields["first_k_dense_replace"]
-                and (i - fields["first_k_dense_replace"]) % fields["moe_layer_freq"] == 0 else "dense"
-                for i in range(fields["num_hidden_layers"])]
+        want = _mlp_layer_types(fields["num_hidden_layers"], fields["num_experts"], fields["first_k_dense_replace"],
+                                fields["moe_layer_freq"])
         if list(mlp) != want:
             raise ConfigError(f"mlp_layer_types {list(mlp)} disagrees with first_k_dense_replace / moe_layer_freq "
                               f"({want})")
+
+
+def _mlp_layer_types(num_layers: int, num_experts: int, first_k_dense: int, freq: int) -> list[str]:
+    """transformers' per-layer names of the MoE schedule (`ModelConfig.is_moe_layer`)."""
+    return ["sparse" if num_experts and i >= first_k_dense and i % freq == 0 else "dense" for i in range(num_layers)]
+
+
+def _moe_schedule(text: dict, num_layers: int, num_experts: int, num) -> tuple[int, int]:
+    """(first_k_dense_replace, moe_layer_freq). A null key is an absent one (transformers 5.x
+    writes both as null beside `mlp_layer_types`); absent keys are read off `mlp_layer_types`
+    when it is given (the first MoE layer, the smallest period that reproduces it), else they
+    take the defaults 0 and 1."""
+    given = {key: text.get(key) for key in ("first_k_dense_replace", "moe_layer_freq")}
+    mlp = text.get("mlp_layer_types")
+    if mlp is None or all(v is not None for v in given.values()):
+        return (num("first_k_dense_replace", 0, null_default=True), num("moe_layer_freq", 1, null_default=True))
+    if not isinstance(mlp, list) or any(n not in ("dense", "sparse") for n in mlp):
+        raise ConfigError(f"mlp_layer_types: expected a list of 'dense' / 'sparse', got {_shown(mlp)}")
+    if len(mlp) != num_layers:
+        raise ConfigError(f"mlp_layer_types has {len(mlp)} entries, expected num_hidden_layers={num_layers}")
+    sparse = [i for i, name in enumerate(mlp) if name == "sparse"]
+    first = num("first_k_dense_replace", 0) if given["first_k_dense_replace"] is not None else (
+        sparse[0] if sparse else num_layers)
+    if given["moe_layer_freq"] is not None:
+        freqs = [num("moe_layer_freq", 1)]
+    else:  # MoE layers are consecutive multiples of the period: two of them give it
+        freqs = [sparse[1] - sparse[0]] if len(sparse) > 1 else range(1, num_layers + 1)
+    for freq in freqs:
+        if _mlp_layer_types(num_layers, num_experts, first, freq) == mlp:
+            return first, freq
+    raise ConfigError(f"mlp_layer_types {mlp}: not a schedule of first_k_dense_replace dense layers then MoE "
+                      "every moe_layer_freq-th layer, the one k31jax builds")
 
 
 def _fields_from_hf(raw: dict) -> dict[str, Any]:
@@ -620,6 +651,7 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         a_log_len = kda_heads
 
     act = text.get("hidden_act", "silu")
+    first_k_dense, moe_freq = _moe_schedule(text, num_layers, num("num_experts", 0, null_default=True), num)
     fields: dict[str, Any] = dict(
         vocab_size=num("vocab_size", 0),
         hidden_size=num("hidden_size", 0),
@@ -630,8 +662,8 @@ def _fields_from_hf(raw: dict) -> dict[str, Any]:
         activation_situ_beta=real("activation_situ_beta", 4.0),
         activation_situ_linear_beta=real("activation_situ_linear_beta", None),
         intermediate_size=num("intermediate_size", 0),
-        first_k_dense_replace=num("first_k_dense_replace", 0),
-        moe_layer_freq=num("moe_layer_freq", 1),
+        first_k_dense_replace=first_k_dense,
+        moe_layer_freq=moe_freq,
         num_attention_heads=num("num_attention_heads", 0),
         q_lora_rank=num("q_lora_rank", None),
         kv_lora_rank=num("kv_lora_rank", 0, null_default=True),

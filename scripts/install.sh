@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Create ./.venv with Python >= 3.12 and install k31jax (editable) with its test extras.
 # Finds python3.12/3.13 on PATH, or a pyenv-installed 3.12+ when the default python is older.
+# --tpu also installs the `tpu` extra (libtpu: XLA's TPU compiler, for `k31jax compile` on any host).
 set -euo pipefail
+EXTRAS="test"
+for arg in "$@"; do
+  case "$arg" in
+    --tpu) EXTRAS="test,tpu" ;;
+    *) echo "scripts/install.sh: unknown argument $arg (expected --tpu)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 VENV="${K31JAX_VENV:-.venv}"
 
@@ -25,5 +33,5 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
 "$VENV/bin/python" -c "import k31jax" 

@@ -1,6 +1,7 @@
 """The config: presets, the 0-indexed schedule, and clear errors on inconsistent input."""
 
 import copy
+import re
 import json
 from pathlib import Path
 
@@ -193,3 +194,46 @@ def test_from_hf_file_that_is_not_an_object_or_not_utf8(tmp_path):
 def test_presets_pass_the_field_checks():
     for name in ("k3", "k31_pro", "kimi_linear_48b", "tiny"):
         assert ModelConfig.preset(name).num_hidden_layers > 0
+
+
+# ---- transformers 5.x configs: null means absent ---------------------------------------------
+
+def _kimi_linear_golden() -> dict:
+    return json.loads((Path(__file__).parent / "golden" / "kimi_linear_tiny" / "config.json").read_text())
+
+
+def test_transformers5_nulls_beside_mlp_layer_types_are_absent_keys():
+    """transformers 5.x writes `first_k_dense_replace` / `moe_layer_freq` as null beside
+    `mlp_layer_types`: the schedule is read off `mlp_layer_types`."""
+    raw = _kimi_linear_golden()
+    expected = ModelConfig.from_hf(raw)
+    v5 = {**raw, "first_k_dense_replace": None, "moe_layer_freq": None,
+          "mlp_layer_types": ["sparse" if expected.is_moe_layer(i) else "dense"
+                              for i in range(expected.num_hidden_layers)]}
+    assert ModelConfig.from_hf(v5) == expected
+    assert expected.first_k_dense_replace == 1 and expected.dense_layers == (0,)
+    one_null = {**v5, "first_k_dense_replace": 1}
+    assert ModelConfig.from_hf(one_null) == expected
+    # every other layer MoE from layer 2 (is_moe_layer: i >= k and i % freq == 0)
+    n = raw["num_hidden_layers"]
+    every_other = {**v5, "mlp_layer_types": ["sparse" if i >= 2 and i % 2 == 0 else "dense" for i in range(n)]}
+    cfg = ModelConfig.from_hf(every_other)
+    assert (cfg.first_k_dense_replace, cfg.moe_layer_freq) == (2, 2) and cfg.moe_layers == (2, 4, 6)
+    assert ModelConfig.from_hf({**every_other, "first_k_dense_replace": 1, "moe_layer_freq": 2}) == \
+        cfg.replace(first_k_dense_replace=1)  # the keys, given, say the same schedule
+    # nulls without mlp_layer_types: the defaults (every layer MoE)
+    bare = {k: v for k, v in v5.items() if k != "mlp_layer_types"}
+    assert ModelConfig.from_hf(bare).moe_layers == tuple(range(n))
+
+
+@pytest.mark.parametrize("mlp, message", [
+    (lambda n: ["dense", "sparse", "dense", "sparse", "sparse"] + ["dense"] * (n - 5), "not a schedule of"),
+    (lambda n: ["dense"] * (n - 1), "mlp_layer_types has 6 entries, expected num_hidden_layers=7"),
+    (lambda n: ["dense", "moe"] + ["sparse"] * (n - 2), "expected a list of 'dense' / 'sparse'"),
+])
+def test_transformers5_mlp_layer_types_errors_name_the_key(mlp, message):
+    raw = _kimi_linear_golden()
+    assert raw["num_hidden_layers"] == 7
+    v5 = {**raw, "first_k_dense_replace": None, "moe_layer_freq": None, "mlp_layer_types": mlp(7)}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf(v5)

@@ -7,10 +7,18 @@ with the same shapes as `test_generate.py` (max_len 512, prefill_chunk 16), so i
 the compiled programs when both modules run in one session.
 """
 
+import fcntl
+import functools
 import io
 import json
+import os
+import re
+import select
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +30,7 @@ from k31jax.chat import (ByteTokenizer, ContentDelta, MissingReasoningError, Par
                          ToolCallStart, apply_chat_template, collect_events)
 from k31jax.cli import main
 from k31jax.generate import ChatSession, Engine, GenerationResult, Request, SamplingParams
+from k31jax.cli import _generate
 from k31jax.cli._generate import run_chat
 from k31jax.generate._requests import RowController
 
@@ -41,15 +50,20 @@ ANSWER_TURN = ('Got it.<|close|>think<|sep|><|open|>response<|sep|>It is -3 C in
 class ScriptedEngine:
     """Replays canned outputs, one per turn, through `RowController` (what `Engine` runs)."""
 
-    def __init__(self, tok, outputs):
+    def __init__(self, tok, outputs, ctrl_c_at: int | None = None):
         self.tokenizer, self.outputs, self.prompts = tok, list(outputs), []
+        self.ctrl_c_at = ctrl_c_at  # output token index at which the user presses Ctrl-C (once)
         self.stop_ids, self.last_result = tok.stop_ids, None
+        self.max_len, self.prefill_chunk, self.min_bucket = 4096, 512, 16  # the REPL checks the room
 
     def stream(self, reqs, *args, **kwargs):
         req = reqs[0]
         self.prompts.append(self.tokenizer.decode(req.prompt))
         row = RowController(0, req, self.tokenizer, self.stop_ids, None)
-        for t in self.tokenizer.encode(self.outputs.pop(0), allow_special=True):
+        for i, t in enumerate(self.tokenizer.encode(self.outputs.pop(0), allow_special=True)):
+            if i == self.ctrl_c_at:
+                self.ctrl_c_at = None
+                raise KeyboardInterrupt  # what SIGINT raises in the main thread during a decode step
             yield row.push(t)
             if row.done:
                 break
@@ -95,6 +109,55 @@ def test_tool_call_round_trip_in_the_repl(tok):
             '<|close|>message<|sep|><|end_of_msg|>') in second
     assert second.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
     assert '"role": "tool"' in text  # /history
+
+
+def test_repl_ctrl_c_stops_the_answer_and_keeps_the_history(tok):
+    # Ctrl-C in the middle of the tool-call turn: the reasoning shown so far is kept, the call cut
+    # short is not (it cannot be answered); the prompt comes back and the next turn sees it all.
+    inside_the_call = len(tok.encode(CALL_TURN[:CALL_TURN.index("Oslo") + 2], allow_special=True))
+    eng = ScriptedEngine(tok, [CALL_TURN, ANSWER_TURN], ctrl_c_at=inside_the_call)
+    session = ChatSession(eng, tools=TOOLS)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_chat(session, io.StringIO("Weather in Oslo?\nAnd now?\n/exit\n"), out, err=err) == 0
+    assert "stopped (Ctrl-C)" in err.getvalue() and "tool_call" not in out.getvalue()
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    stopped = session.messages[1]
+    assert stopped == {"role": "assistant", "content": "", "reasoning_content": "I should call the tool."}
+    assert "<|open|>think<|sep|>I should call the tool.<|close|>think<|sep|>" in eng.prompts[1]
+    assert session.messages[3]["content"] == "It is -3 C in Oslo."
+    # Ctrl-C before anything was shown (prefill, compiling): the message is dropped with the turn
+    eng = ScriptedEngine(tok, [ANSWER_TURN, ANSWER_TURN], ctrl_c_at=0)
+    session = ChatSession(eng)
+    run_chat(session, io.StringIO("Hi\nHi again\n"), io.StringIO(), err=err)
+    assert "before the answer began" in err.getvalue()
+    assert [m["content"] for m in session.messages] == ["Hi again", "It is -3 C in Oslo."]
+
+
+def test_repl_checks_effort_at_once(tok):
+    eng = ScriptedEngine(tok, [ANSWER_TURN])
+    session = ChatSession(eng)
+    out, err = io.StringIO(), io.StringIO()
+    run_chat(session, io.StringIO("/effort bogus\n/effort none\nHi\n/effort low\n/effort\n"), out, err=err)
+    assert err.getvalue().startswith("[k31jax] error: /effort low|high|max|none, not 'bogus'\n")
+    assert out.getvalue().startswith("(effort: none, thinking off)\n")  # none: thinking off, not "no message"
+    assert '<|open|>message role="assistant"<|sep|><|open|>think' not in eng.prompts[0]
+    assert (session.thinking, session.effort) == (True, "low")
+    assert out.getvalue().endswith("(effort: low)\n(effort: low)\n")  # a bare /effort shows the setting
+
+
+def test_repl_on_a_terminal_reads_with_input_and_ends_on_ctrl_c_or_ctrl_d(tok, monkeypatch):
+    for end in (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C at the prompt: the chat ends cleanly
+        lines = iter(["/history"])
+        labels = []
+
+        def fake_input(label, lines=lines, end=end):
+            labels.append(label)
+            return next(lines) if len(labels) == 1 else (_ for _ in ()).throw(end())
+
+        monkeypatch.setattr("builtins.input", fake_input)
+        out = io.StringIO()
+        assert run_chat(ChatSession(ScriptedEngine(tok, [])), None, out, err=io.StringIO()) == 0
+        assert labels == ["you> ", "you> "] and out.getvalue() == "[]\n\n"
 
 
 def test_session_api_tool_results_and_missing_reasoning(tok):
@@ -228,6 +291,26 @@ def test_cli_generate_prints_text_banner_and_timing(capsys):
     assert "[thinking]" not in out and "new tokens" in err
 
 
+class TerminalStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_generate_shows_a_status_line_on_a_terminal_until_the_answer(monkeypatch, capsys):
+    """Without --stream a terminal's stderr says what is going on (redrawn here every 1 ms, so
+    each decode step shows); stdout gets the answer alone."""
+    monkeypatch.setattr(_generate, "StatusLine", functools.partial(_generate.StatusLine, interval=0.001))
+    tty = TerminalStream()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["generate", "--prompt", "Hello, K3", "--max-new-tokens", "6", *SMALL]) == 0
+    shown = tty.getvalue()
+    assert "\r\x1b[K[k31jax] " in shown and re.search(r"generating: \d of at most 6 tokens \(\d+ s\)", shown)
+    status_end = shown.rindex("\r\x1b[K")
+    assert "[k31jax] finish: " in shown[status_end:]  # erased before the last lines
+    out = capsys.readouterr().out
+    assert out.startswith("[thinking] ") and "\x1b" not in out
+
+
 def test_cli_chat_with_piped_stdin(capsys, monkeypatch, tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"name": "now", "parameters": {"type": "object"}}]))
@@ -235,7 +318,7 @@ def test_cli_chat_with_piped_stdin(capsys, monkeypatch, tmp_path):
     assert main(["chat", "--tools", str(tools), "--effort", "none", "--max-new-tokens", "4", *SMALL]) == 0
     out, err = capsys.readouterr()
     assert "SEEDED RANDOM" in err and "decode" in err
-    assert "[thinking]" in out and "(effort: low)" in out
+    assert "[thinking]" not in out and "(effort: low)" in out  # --effort none: thinking off
     history = json.loads(out[out.index("["  + "\n"):out.rindex("]") + 1])
     assert [m["role"] for m in history] == ["user", "assistant"]
 
@@ -244,8 +327,78 @@ def test_repl_reports_a_too_long_history_and_goes_on(engine):
     session = ChatSession(engine, max_new_tokens=4)
     out, err = io.StringIO(), io.StringIO()
     run_chat(session, io.StringIO("x" * 600 + "\n/history\n"), out, err=err)
-    assert "exceeds the cache length" in err.getvalue()
+    assert "more than --max-len 512; raise --max-len" in err.getvalue()
     assert session.messages == [] and out.getvalue().strip().endswith("[]")
+
+
+class Terminal:
+    """A command on a pseudo-terminal that is its controlling terminal, as in a shell: typed
+    bytes go through the line discipline, so Ctrl-C (\\x03) is a SIGINT to the process."""
+
+    def __init__(self, argv, **popen):
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+        # A new session (setsid) whose first step makes the terminal its controlling one, then
+        # execs the command; no preexec_fn, so this (JAX-threaded) process never forks.
+        take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                         "os.execv(sys.argv[1], sys.argv[1:])")
+        self.proc = subprocess.Popen([sys.executable, "-c", take_terminal, *argv], stdin=slave, stdout=slave,
+                                     stderr=slave, start_new_session=True, **popen)
+        os.close(slave)
+        self.text, self.seen, self.closed = "", 0, False
+
+    def expect(self, pattern: str, timeout: float = 120) -> str:
+        """Everything up to the next match of `pattern` after what was read before."""
+        deadline = time.monotonic() + timeout
+        while not (m := re.compile(pattern).search(self.text, self.seen)):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.closed:
+                raise AssertionError(f"no {pattern!r} in the terminal (exit {self.proc.poll()}):\n{self.text}")
+            if select.select([self.master], [], [], min(left, 1))[0]:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:  # EIO: the process has closed the terminal
+                    data = b""
+                self.closed = not data
+                self.text += data.decode(errors="replace")
+        before, self.seen = self.text[self.seen:m.end()], m.end()
+        return before
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_session():
+    """The embedded model on a real (pseudo-)terminal: Ctrl-C during an answer returns to the
+    prompt with the history kept; readline recalls the previous line with the Up arrow;
+    /effort is checked when typed; Ctrl-C at an empty prompt ends the chat with exit 0."""
+    root = Path(__file__).resolve().parents[1]
+    term = Terminal([sys.executable, "-m", "k31jax.cli", "chat", "--max-new-tokens", "700", "--max-len", "1024",
+                     "--prefill-chunk", "256"], cwd=root, env=cli_env(NO_COLOR="1", TERM="xterm"))
+    try:
+        term.expect("you> ", timeout=300)
+        term.type("def fib(n):\n")
+        term.expect(r"\[thinking\] \S", timeout=300)  # generating: the first tokens are on the screen
+        term.type("\x03")
+        assert "stopped (Ctrl-C)" in term.expect("you> ")
+        term.type("/history\n")
+        history = json.loads(re.search(r"^\[.*^\]", term.expect("you> "), re.S | re.M)[0])
+        assert [m["role"] for m in history] == ["user", "assistant"] and history[0]["content"] == "def fib(n):"
+        assert history[1]["reasoning_content"]  # what was shown before Ctrl-C
+        term.type("\x1b[A\n")  # Up arrow: readline recalls /history
+        assert '"role": "assistant"' in term.expect("you> ")
+        term.type("/effort bogus\n")
+        assert "/effort low|high|max|none, not 'bogus'" in term.expect("you> ")
+        term.type("\x03")
+        assert term.proc.wait(timeout=60) == 0
+    finally:
+        term.close()
 
 
 @pytest.mark.slow

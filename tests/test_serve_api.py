@@ -1,11 +1,13 @@
 """`k31jax serve` as a real process on 127.0.0.1, driven by the official `openai` and
-`anthropic` clients (one server for the module; stopped by its own pid)."""
+`anthropic` clients (one server for the module, with its own compile cache so that it starts
+cold; stopped by its own pid), then a second start on that cache."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,47 +18,82 @@ import httpx
 import pytest
 from conftest import cli_env
 
+from k31jax.chat import ByteTokenizer, apply_chat_template
+
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 KEY, MODEL, MAX_LEN = "test-key", "k31jax-tiny", 1024
+SERVE_ARGS = ("--config", "tiny", "--max-len", str(MAX_LEN), "--max-batch", "8", "--prefill-chunk", "8",
+              "--api-key", KEY, "--max-body-mb", "0.25")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "k31jax.cli", "serve", "--config", "tiny", "--port", str(port),
-           "--max-len", str(MAX_LEN),
-           "--max-batch", "8", "--prefill-chunk", "8", "--api-key", KEY, "--max-body-mb", "0.25"]
-    # stderr to a file: an unread pipe fills up with compiler warnings and blocks the server
-    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+        return s.getsockname()[1]
+
+
+def _start(cache: str, log, *extra: str):
+    """A server process on a free port, its compile cache in `cache`; stderr to the file `log`
+    (an unread pipe fills up with compiler warnings and blocks the server)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "k31jax.cli", "serve", *SERVE_ARGS, "--port", str(port), *extra]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                env=cli_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900  # the warm-up compiles every program; slow on a shared 2-core machine
+                                env=cli_env(K31JAX_COMPILE_CACHE=cache))
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _first_health(proc, base: str, log) -> httpx.Response:
+    """The first answer of /health (the server listens before it has compiled anything)."""
+    deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited: {log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+            return httpx.get(f"{base}/health", timeout=1)
         except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not become healthy: {log.read_text()[-3000:]}")
-    yield base
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"server never answered /health: {log.read_text()[-3000:]}")
+
+
+def _stop(proc) -> None:
     os.kill(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """The module's server, just listening: (base url, its first /health answer, its stderr log,
+    its compile cache)."""
+    folder = tmp_path_factory.mktemp("serve")
+    log, cache = folder / "stderr.log", str(folder / "xla")
+    proc, base = _start(cache, log)
+    first = _first_health(proc, base, log)
+    yield base, first, log, cache
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    """The module's server once its warm-up is done (every program compiled)."""
+    base, _, log, _ = started
+    deadline = time.time() + 900  # slow on a shared 2-core machine
+    while time.time() < deadline:
+        health = httpx.get(f"{base}/health", timeout=5).json()
+        if health["ready"]:
+            return base
+        assert health["status"] == "warming_up", health
+        time.sleep(0.5)
+    pytest.fail(f"the warm-up did not finish: {log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +110,21 @@ def _user(text):
     return [{"role": "user", "content": text}]
 
 
+def test_listens_at_once_and_answers_while_warming_up(started):
+    """/health answers from the start (503, what is left); a request sent meanwhile waits for the
+    programs it needs and is answered, not refused."""
+    base, first, _, _ = started
+    assert first.status_code == 503 and first.json()["status"] == "warming_up", first.text
+    assert first.json()["warmup"]["left"] and first.json()["ready"] is False
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=600)
+    r = client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=3)
+    assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_models_health_metrics_and_api_key(server, oai):
     assert [m.id for m in oai.models.list().data] == [MODEL]
+    (model,) = httpx.get(f"{server}/v1/models", headers={"x-api-key": KEY}).json()["data"]
+    assert model["context_length"] == MAX_LEN and model["default_max_tokens"] == 1024
     bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=2)
@@ -84,7 +134,8 @@ def test_models_health_metrics_and_api_key(server, oai):
     r = httpx.post(f"{server}/v1/chat/completions", headers={"x-api-key": KEY},
                    json={"model": MODEL, "messages": _user("hi"), "max_tokens": 2})
     assert r.status_code == 200
-    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["warmup"]["left"] == []
     metrics = httpx.get(f"{server}/metrics").text
     for name in ("k31jax_queue_depth", "k31jax_running_requests", "k31jax_tokens_per_second",
                  "k31jax_time_to_first_token_seconds_count", "k31jax_prefix_cache_hit_rate"):
@@ -117,8 +168,9 @@ def test_tool_round_trip_with_and_without_reasoning(oai):
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                         extra_body={"thinking_budget": 8})
     choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    call = choice.message.tool_calls[0]
+    # one forced call; the random model never closes it, so max_tokens does: `length`, all tokens counted
+    assert choice.finish_reason == "length" and first.usage.completion_tokens == 200
+    (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     json.loads(call.function.arguments)
     assistant = choice.message.model_dump(exclude_none=True)
@@ -173,7 +225,7 @@ def test_anthropic_messages_stream_and_count(anth):
     tool = anth.messages.create(model=MODEL, max_tokens=150, messages=_user("weather?"),
                                 thinking={"type": "disabled"}, tool_choice={"type": "any"},
                                 tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
-    assert tool.stop_reason == "tool_use" and tool.content[-1].name == "get_weather"
+    assert tool.stop_reason == "max_tokens" and tool.content[-1].name == "get_weather"  # (the call was cut)
 
 
 def test_raw_completions(oai):
@@ -206,7 +258,15 @@ def test_errors_in_each_schema(server, oai):
     with pytest.raises(openai.BadRequestError, match="1024"):
         oai.chat.completions.create(model=MODEL, messages=_user("x" * 1100), max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
-        oai.chat.completions.create(model=MODEL, messages=_user("x"), reasoning_effort="medium")
+        oai.chat.completions.create(model=MODEL, messages=_user("x"), reasoning_effort="bogus")
+    assert oai.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=2,
+                                       reasoning_effort="medium").usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="response_format") as refused:
+        oai.chat.completions.create(model=MODEL, messages=_user("x"), response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "response_format" and refused.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="too small for the forced tool call"):
+        oai.chat.completions.create(model=MODEL, messages=_user("x"), tools=TOOLS, tool_choice="required",
+                                    max_tokens=4)
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=_user("x"), max_tokens=2)
     r = httpx.post(url, headers=h, json={"model": MODEL, "messages": _user("x" * 300_000)})
@@ -233,3 +293,66 @@ def test_sixteen_concurrent_requests_are_batch_invariant(oai):
         results = list(pool.map(ask, range(16)))
     assert all(r.finish_reason in ("length", "stop") for r in results)
     assert results[5].message.content == alone
+
+
+def test_streamed_forced_call_one_entry_per_index(oai):
+    """Read by the openai client's own accumulation and by a plain `delta.tool_calls[0]` reader."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state, plain, entries = ChatCompletionStreamState(), "", 0
+    for chunk in oai.chat.completions.create(model=MODEL, messages=_user("Weather in Oslo?"), tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                             max_tokens=120, reasoning_effort="none", stream=True):
+        state.handle_chunk(chunk)
+        calls = chunk.choices[0].delta.tool_calls if chunk.choices else None
+        if calls:
+            assert [c.index for c in calls] == [0]
+            entries += 1
+            plain += calls[0].function.arguments or ""
+    # (the accumulated snapshot: `get_final_completion` refuses a `length` finish, as the random
+    # model's call always is)
+    (call,) = state.current_completion_snapshot.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == plain and entries >= 1
+
+
+def test_forced_tool_turn_then_its_result_resumes_the_history_with_thinking_on_or_off(anth):
+    """The forced turn's prompt ends in the tool-choice note, which the tool-result turn drops:
+    that turn resumes the stored history (system, tools, the user's message) all the same, with
+    thinking disabled as with it enabled."""
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    question = _user("What is the weather in Bergen?")
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 8}):
+        first = anth.messages.create(model=MODEL, max_tokens=150, tools=tools, messages=question,
+                                     tool_choice={"type": "any"}, thinking=thinking)
+        (use,) = [b for b in first.content if b.type == "tool_use"]
+        turns = question + [{"role": "assistant", "content": first.content},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                          "content": "-3"}]}]
+        second = anth.messages.create(model=MODEL, max_tokens=4, tools=tools, messages=turns, thinking=thinking)
+        on = thinking["type"] == "enabled"
+        history = apply_chat_template(ByteTokenizer(), question, [{"type": "function", "function": {
+            "name": "get_weather", "parameters": tools[0]["input_schema"]}}], thinking=on,
+            thinking_effort="low" if on else None, add_generation_prompt=False)
+        assert second.usage.cache_read_input_tokens >= len(history), thinking
+
+
+def test_access_log_then_a_quiet_restart_on_the_warm_compile_cache(server, started, tmp_path):
+    """One access-log line per request (default on); a second server on the same compile cache
+    with --quiet answers, and logs no requests."""
+    _, _, log, cache = started
+    line = re.compile(r"k31jax serve: 127\.0\.0\.1 POST /v1/chat/completions 200 \d+\.\d{3}s "
+                      r"tokens prompt=\d+ cached=\d+ completion=\d+$")
+    assert sum(bool(line.match(ln)) for ln in log.read_text().splitlines()) >= 5
+    assert " POST /v1/chat/completions 400 " in log.read_text()  # refused requests are logged too
+    assert os.listdir(cache)  # the persistent compile cache was written
+    quiet_log = tmp_path / "quiet.log"
+    proc, base = _start(cache, quiet_log, "--quiet")
+    try:
+        _first_health(proc, base, quiet_log)
+        r = httpx.post(f"{base}/v1/chat/completions", headers={"x-api-key": KEY}, timeout=600,
+                       json={"model": MODEL, "messages": _user("hi"), "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        _stop(proc)
+    text = quiet_log.read_text()
+    assert "listening on" in text and "POST /v1/chat/completions" not in text

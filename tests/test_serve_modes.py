@@ -98,11 +98,12 @@ def unsharded() -> dict[int, str]:
     return {n: engine.generate([Request(PROMPT, max_new_tokens=n)]).texts[0] for n in (2, NEW - 4, NEW)}
 
 
-def test_cli_rejects_a_context_below_the_minimum_and_processes_without_a_mesh(capsys):
-    assert main(["serve", "--max-len", "100", "--prefill-chunk", "128"]) == 2
-    err = capsys.readouterr().err
-    assert "--max-len 100" in err and ">= 146" in err and "--prefill-chunk 128" in err
-    assert main(["serve", "--max-len", "146", "--prefill-chunk", "128", "--port", "-1"]) == 2  # 146 passes
+def test_cli_rejects_bad_sizes_and_processes_without_a_mesh(capsys):
+    assert main(["serve", "--max-len", "1"]) == 2
+    assert "--max-len 1: expected an integer >= 2" in capsys.readouterr().err
+    assert main(["serve", "--default-max-tokens", "0"]) == 2
+    assert "--default-max-tokens 0: expected an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--port", "-1"]) == 2
     assert "--port -1" in capsys.readouterr().err
     assert main(["serve", "--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]) == 2
     assert "needs --mesh" in capsys.readouterr().err

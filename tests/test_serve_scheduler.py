@@ -1,7 +1,8 @@
-"""Continuous batching (`k31jax.generate.Scheduler`) in-process on the tiny model: batch
-invariance, slot reuse, prefix reuse, compaction, forced tool choice, the bounded queue,
-cancellation, no recompilation after warm-up, and a follower (multi-host mode) stepping the
-same batch as its leader."""
+"""Continuous batching (`k31jax.generate.Scheduler`) in-process on the tiny model: serving
+during the background warm-up, batch invariance, slot reuse, prefix reuse (and the history
+snapshot of a forced turn), compaction, forced tool choice, the bounded queue, cancellation, no
+recompilation after warm-up, and a follower (multi-host mode) stepping the same batch as its
+leader."""
 
 from __future__ import annotations
 
@@ -11,22 +12,60 @@ import threading
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from k31jax.chat import apply_chat_template, parse_k3_segments
+from k31jax.chat import ByteTokenizer, Segment, apply_chat_template, parse_k3_segments
+from k31jax.chat._render import open_tag
 from k31jax.generate import (Engine, QueueFullError, Request, SamplingParams, Scheduler, TokenEvent, ToolChoice,
-                             heal_prompt, load_model, min_context)
+                             heal_prompt, load_model)
+from k31jax.generate._forcing import ToolChoiceForcer
+from k31jax.generate._scheduler import plan_chunks
 
 MAX_LEN, CHUNK = 320, 8
 
 
 @pytest.fixture(scope="module")
-def setup():
+def cold():
+    """A scheduler whose warm-up has only just started, on two background threads."""
     lm = load_model(config="tiny")
     engine = Engine(lm.model, lm.tokenizer, max_len=MAX_LEN, prefill_chunk=CHUNK)
     sched = Scheduler(engine, max_batch=4, prefill_chunk=CHUNK, max_queue=16)
-    sched.warmup()
+    return engine, sched, sched.start_warmup(workers=2)
+
+
+@pytest.fixture(scope="module")
+def setup(cold):
+    engine, sched, warm = cold
+    warm.join()
+    assert warm.ready and warm.error is None
     return engine, sched, dict(sched.programs.compile_counts)
+
+
+def test_prefill_plans_with_the_widths_compiled_so_far():
+    full = plan_chunks(list(range(1, 14)), 8, resumed=False)
+    assert [t.shape[1] for t, _ in full] == [8, 8]  # 5 tokens left-padded to 8, then one chunk
+    assert [t.shape[1] for t, _ in plan_chunks(list(range(1, 6)), 8, resumed=False)] == [8]
+    assert [t.shape[1] for t, _ in plan_chunks(list(range(1, 4)), 8, resumed=False)] == [4]
+    assert [t.shape[1] for t, _ in plan_chunks(list(range(1, 4)), 8, resumed=False, widths={8})] == [8]
+    assert [t.shape[1] for t, _ in plan_chunks(list(range(1, 12)), 8, resumed=True)] == [8, 2, 1]
+    assert plan_chunks(list(range(1, 12)), 8, resumed=True, widths={8, 1}) is None  # no width 2 yet
+    assert [t.shape[1] for t, _ in plan_chunks(list(range(1, 17)), 8, resumed=True, widths={8})] == [8, 8]
+
+
+def test_requests_during_the_warmup_are_served_and_exact(cold):
+    """Submitted while the programs compile: each waits for what it needs, plans its prefill
+    with the widths compiled so far (a resumed turn without them prefills from scratch), and
+    makes the tokens the static engine makes."""
+    engine, sched, warm = cold
+    assert warm.left  # the warm-up is still going
+    tok = engine.tokenizer
+    first = tok.encode("the first prompt of the warm-up test")
+    reqs = [Request(first, max_new_tokens=6, stop_ids=frozenset()),
+            Request(tok.encode("a second, shorter one"), max_new_tokens=9, stop_ids=frozenset())]
+    done = _run(sched, reqs)
+    follow_up = first + done[0].completion.tokens + tok.encode(" and then?")
+    done += _run(sched, [Request(follow_up, max_new_tokens=5, stop_ids=frozenset())])
+    for fin, req in zip(done, reqs + [Request(follow_up, max_new_tokens=5, stop_ids=frozenset())]):
+        assert fin.completion.tokens == engine.generate([req]).tokens[0]
 
 
 def _run(sched, reqs, **kw):
@@ -76,6 +115,23 @@ def test_prefix_reuse_equals_cold_prefill(setup):
     assert warm.completion.tokens == cold
 
 
+def test_a_forced_turn_stores_its_history_for_the_next_turn(setup):
+    """`Request.snapshot_at`: the tool-choice note follows the conversation and the next turn
+    drops it, so the prompt's own snapshot is no prefix of the next prompt; the history's is."""
+    engine, sched, _ = setup
+    tok = engine.tokenizer
+    history = [{"role": "user", "content": "what is the weather in Oslo today?"}]
+    head = apply_chat_template(tok, history, thinking=False, add_generation_prompt=False)
+    forced = apply_chat_template(tok, history, thinking=False, tool_choice="required")
+    assert forced[:len(head)] == head
+    _run(sched, [Request(forced, max_new_tokens=4, snapshot_at=len(head))])
+    history += [{"role": "assistant", "content": "sunny"}, {"role": "user", "content": "and tomorrow?"}]
+    nxt = apply_chat_template(tok, history, thinking=False)
+    warm = _run(sched, [Request(nxt, max_new_tokens=12, stop_ids=frozenset())])[0]
+    assert warm.cached_tokens == len(head)
+    assert warm.completion.tokens == engine.generate([nxt], 12, stop_ids=frozenset()).tokens[0]
+
+
 def test_compaction_keeps_results(setup):
     engine, sched, _ = setup
     prompts = _prompts(engine.tokenizer, 12, seed=3)
@@ -107,6 +163,55 @@ def test_forced_tool_choice(setup):
     fin = _run(sched, [Request(prompt, max_new_tokens=40, parse=True, markup="ids")],
                tool_choice=ToolChoice("none", names))[0]
     assert fin.completion.parsed.tool_calls == []
+
+
+def _close(name):
+    return [Segment("<|close|>", True), Segment(name, False), Segment("<|sep|>", True)]
+
+
+def test_a_forced_call_ends_the_turn_once_the_model_closes_it():
+    """The forcer alone, on the byte tokenizer, against a model that writes its arguments, closes
+    the call and would then write on: the message is closed and ended right after the call (it
+    used to run free to max_new_tokens)."""
+    tok = ByteTokenizer()
+    prompt = apply_chat_template(tok, [{"role": "user", "content": "hi"}], None, thinking=False)
+    args = (open_tag("argument", [("key", "city"), ("type", "string")]) + [Segment("Oslo", False)]
+            + _close("argument") + _close("call"))
+    model = iter(tok.encode_segments(args) + tok.encode("and then some more text") * 20)
+    forcer = ToolChoiceForcer(tok, "named", tool_names=("get_weather",), name="get_weather", prompt_ids=prompt,
+                              max_new_tokens=400)
+    out = []
+    while not out or out[-1] not in tok.stop_ids:
+        force, allowed, banned = forcer.constraint()
+        token = force if force >= 0 else allowed[0] if allowed else next(model)
+        assert token not in banned
+        forcer.push(token)
+        out.append(token)
+    way_in = _close("response") + open_tag("tools") + open_tag("call", [("tool", "get_weather"), ("index", "1")])
+    end = _close("tools") + _close("message") + [Segment("<|end_of_msg|>", True)]
+    assert out == tok.encode_segments(way_in + args + end) and not forcer.cut
+
+
+def test_a_forced_call_needs_room_and_a_cut_one_reports_length(setup):
+    """A limit below the forced call's markup is refused; a limit the model's arguments run into
+    closes the call there (the tiny random model never closes it itself) and reports `length`."""
+    engine, sched, _ = setup
+    tok = engine.tokenizer
+    names = ("get_weather", "get_time")
+    prompt = apply_chat_template(tok, [{"role": "user", "content": "hi"}], None, thinking=False)
+    named = ToolChoice("named", names, "get_time")
+    with pytest.raises(ValueError, match="max_tokens 5 is too small for the forced tool call"):
+        sched.submit(Request(prompt, max_new_tokens=5, parse=True, markup="ids"), tool_choice=named)
+    room = ToolChoiceForcer(tok, "named", tool_names=names, name="get_time", prompt_ids=prompt,
+                            max_new_tokens=1).min_new_tokens
+    for choice, limit in ((named, room), (ToolChoice("required", names), 120)):
+        fin = _run(sched, [Request(prompt, max_new_tokens=limit, parse=True, markup="ids")], tool_choice=choice)[0]
+        c = fin.completion
+        assert len(c.parsed.tool_calls) == 1 and c.parsed.tool_calls[0].name in names
+        assert c.finish_reason == "length" and len(c.tokens) == limit
+        tail = tok.encode_segments(_close("call") + _close("tools") + _close("message")
+                                   + [Segment("<|end_of_msg|>", True)])
+        assert c.tokens[-len(tail):] == tail  # the call closed, and the message ended, within the limit
 
 
 def test_token_healing_equals_the_static_engine(setup):
@@ -190,12 +295,3 @@ def test_follower_steps_the_same_batch_as_its_leader(setup):
     for a, b in zip(jax.tree.leaves(leader.cache), jax.tree.leaves(follower.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert dict(sched.programs.compile_counts) == compiled
-
-
-def test_minimum_context(setup):
-    engine, _, _ = setup
-    assert min_context(CHUNK) == CHUNK + 18
-    small = Engine(nnx.merge(engine.graphdef, engine.state), engine.tokenizer, max_len=CHUNK + 17,
-                   prefill_chunk=CHUNK)
-    with pytest.raises(ValueError, match=f"max_len {CHUNK + 17} is below the scheduler's minimum {CHUNK + 18}"):
-        Scheduler(small, prefill_chunk=CHUNK)

@@ -235,8 +235,8 @@ def test_cli_flags(distilled, capsys):
     assert result["indexer_recall"]["top_k"] == 8  # round(0.22 * 37)
     assert result["indexer_recall"]["recall"] == pytest.approx(read_metrics(out)[-1]["eval_indexer_recall"], rel=1e-6)
     assert main(["eval", "--data", "x", "--top-k", "3"]) == 2  # --top-k without --indexer-recall
-    assert main(["train", "--distill-indexer", "sparse", "--trainable", "all", "--lora-rank", "4", "--data", "x",
-                 "--steps", "1", "--out", str(out.parent / "lora")]) == 1  # one line: distillation trains no LoRA
+    assert main(["train", "--distill-indexer", "sparse", "--trainable", "all", "--lora-rank", "4", "--data",
+                 *data.paths, "--steps", "1", "--out", str(out.parent / "lora")]) == 1  # one line: no LoRA
     assert "distillation trains the indexer" in capsys.readouterr().err
 
 

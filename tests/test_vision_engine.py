@@ -280,7 +280,7 @@ def test_cli_generate_image_and_chat_image_command(setup, tok, tmp_path, monkeyp
         return LoadedModel(model, tok, "test", vision=vision if kw["vision"] else None,
                            vision_banner="image inputs use a SEEDED RANDOM vision tower (test)")
 
-    monkeypatch.setattr(_generate, "load_model", fake_load)
+    monkeypatch.setattr(_generate, "load_generation_model", fake_load)
     args = ["--config", "tiny", "--max-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--max-new-tokens", "3"]
     assert main(["generate", "--raw", "--prompt", "x = ", "--image", str(image), "--image", str(image), *args]) == 0
     out, err = capsys.readouterr()

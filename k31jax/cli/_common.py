@@ -3,19 +3,23 @@ argument checks, multi-process settings and the --mesh (`cli_context`).
 
 Exit codes: 0 done; 1 a runtime error (bad input file, damaged checkpoint, I/O error, disk
 full); 2 a usage error (a bad flag or argument value, found before any model is built);
-128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM). Every failure is one line
-`k31jax CMD: error: ...` on stderr; `--debug` prints the traceback before it.
+128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM, 141 when the reader of stdout went
+away: `k31jax info | head -1` stops quietly, as a Unix tool killed by SIGPIPE). Every failure
+is one line `k31jax CMD: error: ...` on stderr; `--debug` prints the traceback before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import math
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -34,10 +38,27 @@ class UsageError(Exception):
     """A command-line argument that cannot work (exit code 2), found before any heavy work."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` ends each option's line with its default, `(default: 4096)`, unless there is
+    nothing to show (None, False, an empty list) or the help text already speaks of it."""
+
+    def _format_action(self, action):
+        default = action.default
+        shown = (action.option_strings and default is not argparse.SUPPRESS and default is not None
+                 and default is not False and default != [] and "default" not in (action.help or ""))
+        if shown:
+            action = copy.copy(action)  # the parser keeps its own action unchanged
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
 class CliParser(argparse.ArgumentParser):
     """argparse with one-line usage errors: `k31jax CMD: error: ... (see k31jax CMD --help)`,
-    exit 2 (argparse's default prints the whole usage block first). Subcommand parsers
-    inherit the class."""
+    exit 2 (argparse's default prints the whole usage block first), and defaults shown in
+    `--help`. Subcommand parsers inherit the class (and so its formatter)."""
+
+    def __init__(self, *args, formatter_class=DefaultsHelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -52,8 +73,23 @@ def fail(command: str, message: str, code: int, debug: bool = False) -> int:
     return code
 
 
+def stdout_gone() -> int:
+    """The reader of stdout went away (`k31jax info | head -1`): no error line, exit 141 (128 +
+    SIGPIPE, what a shell reports for a Unix tool killed by it). Python ignores SIGPIPE, so
+    its writes fail instead (BrokenPipeError); stdout is pointed at /dev/null so that the
+    interpreter's last flush of what is still buffered does not fail again."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: not a real file (a test's capture)
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def report(command: str, exc: BaseException, debug: bool = False, signum: int | None = None) -> int:
     """The exit code for an exception ending a command, after its one error line."""
+    if isinstance(exc, BrokenPipeError):
+        return stdout_gone()
     if isinstance(exc, Interrupted):
         signum = signum or signal.SIGINT
         return fail(command, f"interrupted by {signal.Signals(signum).name}: {exc}", 128 + signum, debug)
@@ -78,7 +114,9 @@ def run_command(command: str, run: Callable, validate: Callable | None, args: ar
     try:
         if validate is not None:
             validate(args)
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # here, so that a reader gone away is reported by `report`
+        return code
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the command line's last word
         return report(command, e, getattr(args, "debug", False))
 
@@ -215,6 +253,46 @@ def check_mesh_spec(flag: str, spec: str) -> None:
 def check_rules(flag: str, name: str | None) -> None:
     if name is not None and name not in RULE_TABLES:
         raise UsageError(f"{flag} {name!r}: expected one of {', '.join(sorted(RULE_TABLES))}")
+
+
+class StatusLine:
+    """One line on stderr saying what a long wait is doing, with the seconds elapsed, redrawn
+    every `interval` s by a thread (the main thread may sit in one XLA compile for minutes) and
+    erased at the end; only when stderr is a terminal, so logs and pipes stay clean.
+
+        with StatusLine("prefill (compiling on first use)") as status:
+            ...
+            status.set(f"generating: {n} tokens")
+    """
+
+    def __init__(self, text: str, *, stream=None, interval: float = 0.5):
+        self.stream = stream or sys.stderr
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.text, self.interval = text, interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._redraw, daemon=True, name="k31jax-status")
+        self._start = time.perf_counter()
+
+    def set(self, text: str) -> None:
+        self.text = text
+
+    def _redraw(self) -> None:
+        while not self._done.wait(self.interval):
+            self.stream.write(f"\r\x1b[K[k31jax] {self.text} ({time.perf_counter() - self._start:.0f} s)")
+            self.stream.flush()
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.enabled:
+            self._done.set()
+            self._thread.join()
+            self.stream.write("\r\x1b[K")  # erase the line: what follows starts clean
+            self.stream.flush()
+        return False
 
 
 def enable_compile_cache() -> None:

@@ -10,6 +10,7 @@ from ..config import ModelConfig, preset_names
 from ..distributed import DEVICES, plan_memory, plan_training, suggest_mesh, suggest_training_mesh
 from ..distributed._plan import GB
 from ..distributed._plan_train import MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS
+from ..generate import DEFAULT_MODEL, embedded_model_dir
 from ..nn import REMAT_POLICIES
 from ..nn import count_params
 from ..sharding import RULE_TABLES, mesh_str
@@ -18,7 +19,13 @@ from ._common import UsageError, check_float, check_int, check_mesh_spec, instal
 
 
 def _config(spec: str) -> ModelConfig:
+    if spec == DEFAULT_MODEL:  # the shipped model's own config (its preset differs: bf16 experts)
+        return ModelConfig.from_hf(embedded_model_dir() / "config.json")
     return ModelConfig.from_hf(spec) if Path(spec).exists() else ModelConfig.preset(spec)
+
+
+def _config_help(default: str) -> str:
+    return f"preset ({', '.join(preset_names())}) or path to a config.json (default: {default})"
 
 
 def _check_config_arg(spec: str) -> None:
@@ -45,7 +52,9 @@ def _check_plan_args(args) -> None:
 def _cmd_info(args) -> int:
     cfg = _config(args.config)
     counts = count_params(cfg)
-    print(f"{args.config}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
+    what = (" (the embedded default model: what generate, chat and serve run without --ckpt)"
+            if args.config == DEFAULT_MODEL else "")
+    print(f"{args.config}{what}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
           f"{len(cfg.mla_layers)} MLA{' + lightning indexer' if cfg.use_indexer else ''}), "
           f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}, hidden {cfg.hidden_size}")
     print(counts.table())
@@ -61,7 +70,8 @@ def _cmd_info(args) -> int:
 
 def register_info(sub) -> None:
     info = sub.add_parser("info", help="parameter counts and bytes of a config, on paper")
-    info.add_argument("--config", default="k31_pro", help="preset name or path to a config.json")
+    info.add_argument("--config", default=DEFAULT_MODEL, help=_config_help(f"{DEFAULT_MODEL}, the embedded "
+                                                                           "default model"))
     install(info, "info", _cmd_info, validate=_check_info_args)
 
 
@@ -120,7 +130,7 @@ def _cmd_plan(args) -> int:
 
 def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory of a config on a mesh, on paper")
-    p.add_argument("--config", default="k31_pro", help="preset name or path to a config.json")
+    p.add_argument("--config", default="k31_pro", help=_config_help("k31_pro"))
     p.add_argument("--mesh", default="expert=8,tensor=8", help="e.g. expert=8,tensor=8")
     p.add_argument("--rules", default=None, choices=sorted(RULE_TABLES), help="default: from the mesh")
     p.add_argument("--batch", type=int, default=1)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from ..distributed import initialize
 from ..nn import REMAT_POLICIES, quantize_experts
-from ..train import (DataConfig, OptimConfig, TrainConfig, evaluate, indexer_recall, load_any, plot_metrics,
-                     with_index_topk)
+from ..generate import DEFAULT_MODEL
+from ..train import (DataConfig, OptimConfig, TrainConfig, eval_split, evaluate, indexer_recall, load_any,
+                     plot_metrics, with_index_topk)
 from ..train._config import DISTILL_STAGES, MASTER_DTYPES
 from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
 from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer, with_config
@@ -74,6 +75,7 @@ def _cmd_train(args) -> int:
                 return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
             cfg = _config_from_args(args)
         with Trainer(cfg, resume=args.resume) as trainer:
+            print(f"[k31jax] {trainer.holdout.line(trainer.cfg.data.holdout_fraction)}", file=sys.stderr)
             result = trainer.run(progress=not args.no_progress, export=not args.no_export)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
@@ -102,21 +104,23 @@ def _cmd_eval(args) -> int:
             if not model.config.moe_layers or model.config.expert_weights == "mxfp4":
                 return _fail("eval", "--quantize-experts needs a model with float routed experts")
             model = quantize_experts(model)
-        data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size,
-                          holdout_fraction=args.holdout_fraction)
+        data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size)
+        data, split, why = eval_split(data, args.ckpt, split=args.split, holdout_fraction=args.holdout_fraction)
+        if why:
+            print(f"[k31jax] {why}", file=sys.stderr)
         recall = None
         if args.indexer_recall:
             if not model.config.use_indexer:
                 return _fail("eval", "--indexer-recall needs a model with the lightning indexer (index_topk is None)")
             top_k = args.top_k or (max(1, round(args.top_k_fraction * args.seq_len)) if args.top_k_fraction
                                    else model.config.index_topk)
-            recall = indexer_recall(model, tokenizer, data, top_k=top_k, max_batches=args.max_batches,
-                                    split=args.split)
+            recall = indexer_recall(model, tokenizer, data, top_k=top_k, max_batches=args.max_batches, split=split)
         if args.index_topk is not None:
             if not model.config.use_indexer:
                 return _fail("eval", "--index-topk needs a model with the lightning indexer (index_topk is None)")
             model = with_index_topk(model, args.seq_len if args.index_topk == "dense" else int(args.index_topk))
-        result = evaluate(model, tokenizer, data, max_batches=args.max_batches, split=args.split)
+        result = evaluate(model, tokenizer, data, max_batches=args.max_batches, split=split,
+                          progress=not args.no_progress)
     except (ValueError, FileNotFoundError, OSError) as e:
         if args.debug:
             raise
@@ -126,7 +130,7 @@ def _cmd_eval(args) -> int:
         k = model.config.index_topk
         what += (", dense attention (no top-k selection)" if k >= args.seq_len
                  else f", sparse attention (top-{k} of {args.seq_len})")
-    print(f"{source}{what}, {args.split} split of {', '.join(args.data)}: {result.line()}")
+    print(f"{source}{what}, {split} split of {', '.join(args.data)}: {result.line()}")
     if recall is not None:
         print(f"indexer: {recall.line()}")
     if args.json:
@@ -155,8 +159,9 @@ def register(sub) -> None:
                                    "Checkpoints every --save-every steps (Orbax, asynchronous), resume bit-exact "
                                    "with --resume; SIGTERM saves and exits 143.")
     t.add_argument("--config", default="tiny", help="preset or config.json for a model from random weights")
-    t.add_argument("--init", default=None, help="start from a checkpoint: converted Orbax, release safetensors "
-                                                "folder, or a training run's --out")
+    t.add_argument("--init", default=None, help=f"start from a checkpoint: '{DEFAULT_MODEL}' (the shipped model), "
+                                                "a converted Orbax or release safetensors folder, or a training "
+                                                "run's --out")
     t.add_argument("--tokenizer", default=None, help="folder with tiktoken.model (default: byte-level)")
     t.add_argument("--data", nargs="+", default=None, help="text files, .jsonl chat transcripts or folders")
     t.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl, tb/, final/)")
@@ -192,7 +197,9 @@ def register(sub) -> None:
     t.add_argument("--z-loss", type=float, default=0.0)
     t.add_argument("--bias-update-rate", type=float, default=1e-3, help="router bias sign-update rate (0: off)")
     t.add_argument("--balance-loss", type=float, default=0.0, help="sequence-level balance loss weight")
-    t.add_argument("--holdout-fraction", type=float, default=0.05)
+    t.add_argument("--holdout-fraction", type=float, default=0.05,
+                   help="share held out for evaluation (default 0.05): whole documents, or, when there are too few "
+                        "documents, chunks of the text (the run records which)")
     t.add_argument("--save-every", type=int, default=None)
     t.add_argument("--keep", type=int, default=None)
     t.add_argument("--log-every", type=int, default=None)
@@ -210,9 +217,12 @@ def register(sub) -> None:
     e.add_argument("--ckpt", default=None, help="training run --out, converted Orbax, or safetensors folder")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--data", nargs="+", required=True)
-    e.add_argument("--split", default="heldout", choices=("heldout", "all", "train"),
-                   help="heldout: the documents training held out; all: every document")
-    e.add_argument("--holdout-fraction", type=float, default=0.05)
+    e.add_argument("--split", default=None, choices=("heldout", "all", "train"),
+                   help="heldout: what the model's training held out; all: everything (default: heldout when the "
+                        "data includes the model's own training files, as a run or the embedded model's "
+                        "corpus.json records them, else all)")
+    e.add_argument("--holdout-fraction", type=float, default=None,
+                   help="the held-out share (default: the model's training run's, else 0.05)")
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--max-batches", type=int, default=None)
@@ -232,6 +242,7 @@ def register(sub) -> None:
     k.add_argument("--top-k-fraction", type=float, default=None,
                    help="k for --indexer-recall as a fraction of --seq-len (e.g. 0.125)")
     e.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    e.add_argument("--no-progress", action="store_true")
     e.add_argument("--debug", action="store_true")
     install(e, "eval", _cmd_eval, validate=_check_eval_args)
 
@@ -246,7 +257,14 @@ def register(sub) -> None:
 def _check_data_args(args) -> None:
     for flag in ("seq_len", "batch_size"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
-    check_float("--holdout-fraction", args.holdout_fraction, low=0, high=0.99)
+    check_float("--holdout-fraction", args.holdout_fraction, low=0, high=0.99, optional=True)
+
+
+def _check_data_paths(args, what: str) -> None:
+    """After the numbers: a missing --data path is named as the command's own data."""
+    for path in args.data or ():
+        if not Path(path).exists():
+            raise UsageError(f"--data {path}: no such {what} file or folder")
 
 
 def _check_train_args(args) -> None:
@@ -264,6 +282,7 @@ def _check_train_args(args) -> None:
     if args.mesh:
         check_mesh_spec("--mesh", args.mesh)
     check_rules("--rules", args.rules)
+    _check_data_paths(args, "training data")
 
 
 def _check_eval_args(args) -> None:
@@ -280,4 +299,5 @@ def _check_eval_args(args) -> None:
         raise UsageError("--top-k / --top-k-fraction set the k of --indexer-recall; add --indexer-recall")
     check_int("--top-k", args.top_k, low=1, optional=True)
     check_float("--top-k-fraction", args.top_k_fraction, low=0, high=1, low_open=True, optional=True)
+    _check_data_paths(args, "eval data")
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from ..ckpt._manifest import build_manifest, write_manifest
 from ..ckpt._orbax import ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, flatten, load_stored, quiet_orbax
@@ -45,7 +46,7 @@ from ..nn import abstract_model
 from ._destination import atomic_destination, check_stop, preflight
 from ._export import EXPORT_MARKER
 from ._orbax_save import fast_partial_saves, flush_new_files, fsync_tree, literal_root, save_context, settled_writes
-from ._progress import Progress, human_bytes
+from ._progress import human_bytes, progress_bar
 from ._values import NonFinite, nonfinite_of
 
 _ASSET_MAX_BYTES = 64 << 20
@@ -201,7 +202,7 @@ def _nest(items) -> dict:
     return tree
 
 
-def compare_with_source(ckpt: Path, plan: Plan, reader: TensorReader, progress: Progress | None,
+def compare_with_source(ckpt: Path, plan: Plan, reader: TensorReader, progress: tqdm | None,
                         max_call_bytes: int, stop: threading.Event | None = None, *, what: str = "--verify") -> int:
     """Restore every stored leaf of `ckpt` and compare its values with the source tensors of
     `plan`: a leaf copied from one or more tensors must give back each of them bytewise once
@@ -243,8 +244,9 @@ def compare_with_source(ckpt: Path, plan: Plan, reader: TensorReader, progress: 
                     first = f"{e.tensors[0].file}: {e.tensors[0].name!r}" if e.tensors else "a fresh initialisation"
                     raise CheckpointError(f"{what}: stored leaf {'/'.join(e.key)} differs from the conversion "
                                           f"of {first}{' ...' if len(e.tensors) > 1 else ''}")
-            if progress:
-                progress.update(e.source_bytes, group)
+            if progress is not None:
+                progress.set_postfix_str(group, refresh=False)
+                progress.update(e.source_bytes)
     return compared
 
 
@@ -316,7 +318,7 @@ def convert(
                        "options": plan.options, "source": {"root": str(src.resolve()), "tensors": len(index.tensors),
                                                            "bytes": index.total_bytes}}}
     calls = plan.calls(max(max_call_bytes, max((e.nbytes for e in plan.entries), default=0)))
-    bar = Progress(plan.source_bytes, "convert", enabled=progress)
+    bar = progress_bar(plan.source_bytes, "convert", enabled=progress)
     arenas = (_Arena(), _Arena())  # one call being read while the previous one is written
     with (atomic_destination(dst, **destination, stage_name="checkpoint", stop=stop, needed_bytes=plan.stored_bytes,
                              command="k31jax convert") as tmp,
@@ -351,7 +353,8 @@ def convert(
                         flushing.result()
                     flushing = flusher.submit(flush_new_files, tmp.parent, flushed,  # saves live next to tmp
                                               digests=digests)
-                bar.update(sum(e.source_bytes for e in entries), group)
+                bar.set_postfix_str(group, refresh=False)
+                bar.update(sum(e.source_bytes for e in entries))
             if flushing is not None:
                 flushing.result()
             check_stop(stop)
@@ -366,7 +369,7 @@ def convert(
         bar.close()
         verified = False
         if verify:
-            vbar = Progress(plan.source_bytes, "verify ", enabled=progress)
+            vbar = progress_bar(plan.source_bytes, "verify ", enabled=progress)
             compare_with_source(tmp, plan, reader, vbar, max_call_bytes, stop)
             vbar.close()
             verified = True

@@ -39,7 +39,7 @@ from ..ckpt._release_layout import release_layout
 from ..ckpt._safetensors import DTYPE_NAMES, ShardWriter
 from ._destination import atomic_destination, check_stop, preflight
 from ._orbax_save import fsync_tree
-from ._progress import Progress, human_bytes
+from ._progress import human_bytes, progress_bar
 
 
 EXPORT_MARKER = ".k31jax_export.json"
@@ -116,7 +116,7 @@ def _check_input(ckpt: Path, progress: bool) -> None:
         return
     try:
         total = check_sizes(ckpt, manifest, extra_files=True)
-        bar = Progress(total, "check  ", enabled=progress)
+        bar = progress_bar(total, "check  ", enabled=progress)
         lock = threading.Lock()
 
         def advance(n: int) -> None:
@@ -173,14 +173,15 @@ def export(
         if plan is None:
             plan, writers = _plan_for(cfg, options, _canonical_layout(cfg, stored, num_shards), tmp, stored)
         try:
-            bar = Progress(plan.source_bytes, "export ", enabled=progress)
+            bar = progress_bar(plan.source_bytes, "export ", enabled=progress)
             for group, entries in plan.calls(max_call_bytes):
                 check_stop(stop)
                 host = load_stored(ckpt, [e.key for e in entries], stored)
                 for e in entries:
                     for tinfo, arr in unbuild_value(e, host.pop(e.key), plan.cfg):
                         writers[tinfo.file.name].write(tinfo.name, arr)
-                    bar.update(e.source_bytes, group)
+                    bar.set_postfix_str(group, refresh=False)
+                    bar.update(e.source_bytes)
                 del host
         finally:
             for w in writers.values():

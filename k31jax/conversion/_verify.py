@@ -20,13 +20,14 @@ import threading
 import time
 from pathlib import Path
 
-from ..ckpt._manifest import HASH_NAME, check_checksums, check_sizes, require_manifest
+from ..ckpt._manifest import (HASH_NAME, MANIFEST_FILE, check_checksums, check_sizes, read_manifest,
+                              require_manifest)
 from ..ckpt._orbax import checkpoint_config, checkpoint_info, flatten
 from ..ckpt._plan import CheckpointError, make_plan
 from ..ckpt._safetensors import TensorReader
 from ._convert import compare_with_source, read_source
 from ._destination import check_stop
-from ._progress import Progress, human_bytes
+from ._progress import human_bytes, progress_bar
 
 
 @dataclasses.dataclass
@@ -64,9 +65,12 @@ def verify_checkpoint(
         raise CheckpointError(f"{ckpt}: no such checkpoint folder")
     if progress is None:
         progress = sys.stderr.isatty()
+    if read_manifest(ckpt) is None and not (ckpt / "_CHECKPOINT_METADATA").exists():
+        raise CheckpointError(f"{ckpt}: not a k31jax checkpoint (no {MANIFEST_FILE}, no Orbax metadata); "
+                              "verify checks a folder written by `k31jax convert`")
     manifest = require_manifest(ckpt)
     total = check_sizes(ckpt, manifest, extra_files=True)
-    bar = Progress(total, "checksum", enabled=progress)
+    bar = progress_bar(total, "checksum", enabled=progress)
     lock = threading.Lock()
 
     def advance(n: int) -> None:
@@ -93,7 +97,7 @@ def verify_checkpoint(
             differ = sorted("/".join(k) for k in stored ^ planned)
             raise CheckpointError(f"verify --source: {source} does not match the checkpoint's leaves ({len(differ)} "
                                   f"differ, e.g. {differ[:3]}): not the release it was converted from")
-        vbar = Progress(plan.source_bytes, "compare ", enabled=progress)
+        vbar = progress_bar(plan.source_bytes, "compare ", enabled=progress)
         with TensorReader() as reader:
             result.tensors = compare_with_source(ckpt, plan, reader, vbar, max_call_bytes, stop,
                                                  what="verify --source")

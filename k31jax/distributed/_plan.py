@@ -159,7 +159,10 @@ def _moe_bytes(cfg, batch, chunk, mesh_shape, rules, b, act, f32):
     m += cap * i_loc * (3 * act + 2 * f32)                       # gate, up, h (+ fp32 islands)
     m += cap * ell * f32 + a * ell * (act + 2 * f32)             # y, returned rows, combine
     if cfg.expert_weights == "mxfp4":
-        m += e_loc * 3 * i_loc * ell * act                       # dequantised local expert shard
+        # decoded experts: few assignments take the "selected" form off CPU, one expert at a
+        # time (what the TPU compiler shows, `k31jax compile`); otherwise every local one
+        selected = n * k < e
+        m += (1 if selected else e_loc) * 3 * i_loc * ell * act
     tp_sh = _factor("mlp", max(cfg.shared_intermediate_size, 1), mesh_shape, rules)
     m += 3 * b * chunk * cfg.shared_intermediate_size / tp_sh * act
     m += b * chunk * (e * f32 + 2 * ell * act)                   # router scores, latent in/out

@@ -11,11 +11,12 @@ streaming text and structured events, and a multi-turn chat session.
   tower, or a seeded random one for the embedded model), ``engine.image_prompts()`` as the
   chat template's ``media_prompt``, ``Request(ids, images=prompts.images)``.
 - ``Scheduler``: continuous batching over a slot cache (requests join and leave between decode
-  steps), session prefix reuse (``PrefixCache``) and forced tool choice (``ToolChoice``);
+  steps), session prefix reuse (``PrefixCache``), forced tool choice (``ToolChoice``) and a
+  background warm-up (``start_warmup``, ``Warmup``: serve while the programs compile);
   ``ProcessSync`` runs it multi-host (process 0 decides, every process steps the same batch).
 """
 
-from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
+from ._engine import Engine, GenerationResult, abstract_decode_inputs, bucket_length, engine_program, plan_prefill
 from ._healing import heal_prompt
 from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
 from ._multihost import ProcessSync
@@ -23,12 +24,13 @@ from ._requests import Completion, Request, StreamDelta
 from ._prefix import PrefixCache
 from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
 from ._scheduler import (Failed, Finished, Handle, QueueFullError, Scheduler, TokenEvent, TokenLogprob,
-                         ToolChoice, TurnPlan, min_context)
+                         ToolChoice, TurnPlan, Warmup)
 from ._session import ChatSession, TurnResult
 
 __all__ = [
     "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationResult",
     "Handle", "LoadedModel", "PrefixCache", "ProcessSync", "QueueFullError", "Request", "SamplerState", "SamplingParams",
-    "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult",
-    "bucket_length", "embedded_model_dir", "heal_prompt", "load_model", "min_context", "plan_prefill", "sample_logits", "sample_tokens",
+    "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult", "Warmup",
+    "abstract_decode_inputs", "bucket_length", "embedded_model_dir", "engine_program", "heal_prompt", "load_model",
+    "plan_prefill", "sample_logits", "sample_tokens",
 ]

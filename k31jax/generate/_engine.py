@@ -40,9 +40,9 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ThinkingBudget
-from ..nn import LAYER_STACKS, Cache, init_cache, unstack_layers
+from ..nn import LAYER_STACKS, Cache, expert_words, init_cache, unstack_layers
 from ..ops import Backends
-from ..vision import ImagePrompts, ImageProcessorConfig, splice_image_embeddings
+from ..vision import ImagePrompts, splice_image_embeddings
 from ._healing import first_token_mask
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
 from ._requests import (Completion, Request, RowController, StreamDelta, normalize_requests)
@@ -115,6 +115,21 @@ _JITS = {
     "first": (jax.jit(_first_fn), 0),
     "decode": (jax.jit(_decode_fn, static_argnums=(0, 1), donate_argnums=(3, 5)), 2),
 }
+
+
+def engine_program(kind: str):
+    """`(jitted function, number of leading static arguments)` of one of the engine's programs
+    ("prefill", "decode", ...): what `k31jax.aot` compiles ahead of time, so a TPU report is
+    about the engine's own programs (with their donated caches), not a look-alike."""
+    return _JITS[kind]
+
+
+def abstract_decode_inputs(vocab_size: int, batch: int) -> tuple:
+    """`(token, sampler, force)` of one decode step as ShapeDtypeStructs (nothing allocated)."""
+    arrays = sampler_arrays([SamplingParams()] * batch, [[0]] * batch, vocab_size)
+    sampler = jax.eval_shape(lambda: make_sampler_state(**arrays))
+    ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return ids, sampler, ids
 
 
 # Per layer, the unrolled stack costs a CPU decode step ~0.2 ms more than the scan (93 layers
@@ -228,6 +243,8 @@ class Engine:
             layer_rows = _rows_pay_off(self.state, self.config.num_hidden_layers)
         if layer_rows:
             self.state = unstack_layers(self.state)
+        elif jax.default_backend() != "cpu":  # see `expert_words`; XLA:CPU runs the byte form faster
+            self.state = expert_words(self.state)
         if stop_ids is not None:
             self.stop_ids = frozenset(stop_ids)
         elif tokenizer is not None:
@@ -266,7 +283,7 @@ class Engine:
         kh, kw = vcfg.merge_kernel_size
         if kh != kw:
             raise ValueError(f"the K3 image processor merges square blocks; merge_kernel_size is {kh}x{kw}")
-        return ImagePrompts(ImageProcessorConfig(patch_size=vcfg.patch_size, merge_kernel_size=kh), base_dir=base_dir)
+        return ImagePrompts(self.vision.processor, base_dir=base_dir)
 
     def prefill_args(self, tokens: np.ndarray, valid: np.ndarray, splice_ids: np.ndarray | None = None,
                      spliced: np.ndarray | None = None) -> tuple[str, tuple]:

@@ -15,7 +15,11 @@ and which may not (``banned``: the stop ids, so the turn cannot end before its c
   their token ids, each encoded as the renderer encodes an attribute value), then the rest.
 - **Arguments**: free, stop ids banned, until the model closes the call; if the budget is about
   to run out, ``<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>``
-  is forced so the call always completes.
+  is forced so the call always completes (``cut``: its arguments may then be incomplete).
+- **After the call**: one forced call ends the turn: the tools channel and the message are
+  closed at once (otherwise the model writes on to ``max_new_tokens`` after its call).
+  ``min_new_tokens`` is the room the way in, the longest header and the tail take: with less,
+  no call can complete.
 - ``tool_choice="none"``: once the response channel closes, the message is closed and ended
   (the tools channel is never opened); a server also drops any call from the parse.
 """
@@ -66,7 +70,15 @@ class ToolChoiceForcer:
         self.phase = "wait"
         self._after_queue = "wait"
         self._node = None
-        if mode != "none" and _ends_with(prompt_ids, self.open_response):
+        self.cut = False  # the budget closed the call inside its arguments
+        opens_response = _ends_with(prompt_ids, self.open_response)
+        way_in = (self.close_response + self.open_tools if opens_response else
+                  self.close_think + self.open_response + self.close_response + self.open_tools)
+        longest_name = max((len(tokenizer.encode_segments([Segment(escape_attr(n), False)])) for n in tool_names),
+                           default=0)
+        self.min_new_tokens = 0 if mode == "none" else len(way_in) + len(self.header_head) + len(self.tail) + (
+            0 if mode == "named" else longest_name + len(self.header_rest))
+        if mode != "none" and opens_response:
             self._enter_tools(self.close_response + self.open_tools)
         self._check_budget()
 
@@ -100,6 +112,7 @@ class ToolChoiceForcer:
             self.queue.extend(self.tail)
             self._after_queue = "free"
             self.phase = "forcing"
+            self.cut = True
 
     def constraint(self) -> tuple[int, list[int] | None, list[int]]:
         """(id to force or -1, allowed next ids or None, banned next ids)."""
@@ -150,5 +163,6 @@ class ToolChoiceForcer:
                 self._after_queue = "call"
                 self.phase = "forcing" if self.queue else "call"
         elif self.phase == "call" and _ends_with(ids, self.close_call):
-            self.phase = "free"
+            self.queue.extend(self.tail[len(self.close_call):])  # the one call is made: end the turn
+            self.phase, self._after_queue = "forcing", "free"
         self._check_budget()

@@ -15,7 +15,9 @@ Python standard library's sources with its own small BPE (`tiktoken.model` in th
 name (``config=``) builds seeded random weights.
 
 Vision: a checkpoint with a ``vision_config`` carries its MoonViT tower and projector
-(``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.ckpt.load_checkpoint_vision``. The
+(``vision_tower.*`` / ``mm_projector.*``), read with ``k31jax.ckpt.load_checkpoint_vision``, and
+its image processor's settings in ``preprocessor_config.json`` (``media_proc_cfg``, read and
+checked by ``k31jax.vision.read_processor_config``; without the file, the K3 values). The
 embedded default model has **no trained vision tower**: for image inputs it gets a small one
 with **seeded random** weights (``EMBEDDED_VISION``, built from ``seed`` on demand, not shipped),
 so its "captions" show the plumbing, not understanding. A preset builds its own
@@ -38,10 +40,11 @@ from ..chat import ByteTokenizer, KimiTokenizer
 from ..ckpt import ASSETS_DIR, is_orbax_checkpoint, load_checkpoint, load_checkpoint_vision, load_hf_weights
 from ..config import ModelConfig, VisionConfig
 from ..nn import K31ForCausalLM
-from ..vision import VisionModel, load_vision_model, release_shapes
+from ..vision import PROCESSOR_FILE, VisionModel, load_vision_model, read_processor_config, release_shapes
 
 DEFAULT_MODEL = "embedded"  # the trained model of `embedded_model_dir()` (its architecture: preset "embedded")
 _BYTE_VOCAB_MAX = 4096  # a byte tokenizer only fits byte-vocabulary models
+_RUN_FILE = "run.json"  # what marks a training run's folder (k31jax.train.RUN_FILE)
 # The seeded random tower of models without a vision_config (the embedded default model): the
 # K3 processor's patch and merge sizes, a small width; `text_hidden_size` is the text model's.
 EMBEDDED_VISION = VisionConfig(patch_size=14, hidden_size=64, intermediate_size=128, num_attention_heads=2,
@@ -101,8 +104,15 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
 
 
 def _checkpoint_vision(path: Path, cfg: ModelConfig, dtype: str | None):
+    """Loads the checkpoint's tower, with the image processor settings of its
+    `preprocessor_config.json` (the release folder's, or a converted checkpoint's copy) if it
+    has one."""
     def load():
-        return load_checkpoint_vision(path, cfg, dtype=dtype or cfg.dtype), None
+        model = load_checkpoint_vision(path, cfg, dtype=dtype or cfg.dtype)
+        found = next((f / PROCESSOR_FILE for f in (path, path / ASSETS_DIR) if (f / PROCESSOR_FILE).is_file()), None)
+        if found is not None:
+            model.processor = read_processor_config(found, cfg.vision)
+        return model, None
     return load
 
 
@@ -155,6 +165,9 @@ def _load_text(ckpt, *, config, seed, dtype, tokenizer) -> LoadedModel:
         path = Path(ckpt)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+        if (path / _RUN_FILE).exists():  # the run layout is k31jax.train's, a layer above this one
+            raise ValueError(f"{path} is a training run's folder: k31jax.train.load_generation_model loads it "
+                             "(its final export, else its newest checkpoint)")
         model = _load_orbax(path, dtype) if is_orbax_checkpoint(path) else load_hf_weights(path, dtype=dtype)
         cfg = model.config
         tok = load_tokenizer(tokenizer or path, cfg.vocab_size)

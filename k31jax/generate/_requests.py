@@ -43,6 +43,10 @@ class Request:
     healed_prefix    token healing (`heal_prompt`): the bytes of the token backed off the end of
                      `prompt`. The first generated token must start with them, and the text
                      leaves them out (the reader has them); needs a tokenizer.
+    snapshot_at      ``Scheduler`` only: also store the state after this many prompt tokens in
+                     its prefix cache. A server passes the end of the conversation when notes
+                     follow it (the tool-choice message), which the next turn does not repeat:
+                     that turn then still resumes the whole history.
     """
 
     prompt: Sequence[int]
@@ -56,6 +60,7 @@ class Request:
     markup: str = "text"
     images: tuple = ()
     healed_prefix: bytes = b""
+    snapshot_at: int | None = None
 
     def __post_init__(self):
         if len(self.prompt) == 0:

@@ -10,9 +10,14 @@ set, one scratch length), so nothing recompiles after ``warmup``. Images: the vi
 its prefill starts (its program compiles once per patch-count bucket, at the bucket's first image),
 and with a vision model every chunk runs the image prefill program, pads or not (``Engine.prefill_args``).
 
+Warm-up: ``warmup()`` compiles every program from shapes alone before serving;
+``start_warmup()`` does it on background threads while the scheduler already serves (a
+request waits only for the programs it needs, the most needed compile first, and prefill uses
+the widths compiled so far; ``Warmup`` says what is left).
+
 Prefix reuse: at each prompt end and turn end the row's state is snapshotted into a
-``PrefixCache``; a request whose prompt extends a stored sequence restores it and prefills only
-the rest.
+``PrefixCache`` (and at ``Request.snapshot_at``, the end of a conversation that closing notes
+follow); a request whose prompt extends a stored sequence restores it and prefills only the rest.
 
 Results go to a per-request ``sink`` (called on the scheduler thread): ``TokenEvent`` per
 generated token, then ``Finished`` or ``Failed``. ``Handle.cancel()`` (a client that went away)
@@ -29,11 +34,12 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import numpy as np
@@ -42,9 +48,9 @@ from ._forcing import ToolChoiceForcer
 from ._healing import first_token_mask
 from ._images import chunk_splice, image_digest
 from ._prefix import PrefixCache, image_prefix_key
-from ._requests import Completion, Request, RowController, StreamDelta
+from ._requests import FINISH_LENGTH, Completion, Request, RowController, StreamDelta
 from ._sampling import SamplingParams, sampler_arrays
-from ._slots import SlotPrograms, to_host
+from ._slots import SlotPrograms, abstract, to_host
 
 MAX_ALLOWED = 64  # widest tool-name branch constrained on device (wider ones sample freely)
 MAX_BANNED = 4
@@ -173,13 +179,91 @@ class _Prefill:
     key: tuple = ()  # the prompt's prefix-cache key (`image_prefix_key`)
     image_rows: np.ndarray | None = None  # the request's projected image rows [M, D]
     next_row: list = dataclasses.field(default_factory=lambda: [0])  # first image row not yet spliced
+    history_chunk: int | None = None  # after this call the prompt's first `snapshot_at` tokens are stored
 
 
-def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+class Warmup:
+    """The scheduler's warm-up (``Scheduler.warmup`` / ``start_warmup``): its steps run on
+    worker threads, the next free worker taking the next step. ``done`` / ``left``: step labels
+    (``left`` includes those compiling now); ``ready`` once every step ran; ``error``: the first
+    failure (the remaining steps are skipped, and compile on first use instead)."""
+
+    def __init__(self, steps: Sequence[tuple[str, Callable[[], object]]], context: contextvars.Context,
+                 on_done: Callable[["Warmup"], None] | None = None):
+        self._steps = collections.deque(steps)
+        self.left: list[str] = [label for label, _ in steps]
+        self.done: list[str] = []
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._context, self._on_done = context, on_done
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._active = 0
+
+    @property
+    def running(self) -> bool:
+        return self.finished is None
+
+    @property
+    def ready(self) -> bool:
+        return self.finished is not None and not self.left and self.error is None
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished if self.finished is not None else time.perf_counter()) - self.started
+
+    def start(self, workers: int, mesh, stopped: Callable[[], bool]) -> None:
+        """`workers` threads, each in a copy of `context` (one context cannot be entered by two
+        threads at once) under `mesh`, until the steps run out or `stopped()`."""
+        self._active = max(1, min(workers, len(self._steps)))
+        for i in range(self._active):
+            t = threading.Thread(target=self._context.copy().run, args=(self._work, mesh, stopped),
+                                 name=f"k31jax-warmup-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
+
+    def _work(self, mesh, stopped: Callable[[], bool]) -> None:
+        with contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh):
+            while not stopped():
+                with self._lock:
+                    if not self._steps or self.error is not None:
+                        break
+                    label, step = self._steps.popleft()
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - reported by `error`; requests compile what they need
+                    with self._lock:
+                        self.error = self.error or exc
+                    break
+                with self._lock:
+                    self.left.remove(label)
+                    self.done.append(label)
+        with self._lock:
+            self._active -= 1
+            last = self._active == 0
+            if last:
+                self.finished = time.perf_counter()
+        if last and self._on_done is not None:
+            self._on_done(self)
+
+
+def prefill_widths(chunk: int) -> list[int]:
+    """Every prefill call width a prompt can need, widest first: ``chunk`` and the powers of two
+    below it (one program each)."""
+    return sorted({chunk, *(1 << k for k in range(chunk.bit_length()) if 1 << k < chunk)}, reverse=True)
+
+
+def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool,
+                widths: Collection[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """Prefill calls for the uncached part of a prompt.
 
-    Every width comes from one fixed set, ``chunk`` and the powers of two below it, so each
-    compiles once (in ``Scheduler.warmup``).
+    Every width comes from one fixed set, ``chunk`` and the powers of two below it
+    (``prefill_widths``), so each compiles once (in ``Scheduler.warmup``).
 
     From scratch: the tokens before the last whole chunks go first, left-padded to the
     smallest width of the set that holds them (padding before the first token is exact: an
@@ -187,11 +271,15 @@ def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool) -> list[tuple[np
     chunks: a 90-token prompt is one call of 128, not of 256.
     Resumed: no padding at all, since a zero conv input in the middle of a sequence would
     change the convolution window; whole chunks, then the remainder as descending powers of two.
+
+    ``widths`` (default: the whole set) limits the calls to the widths compiled so far, while
+    the warm-up runs (it must hold ``chunk``): a fresh prompt then pads its first call more, and
+    a resumed one that needs a missing width gets None (the caller prefills it from scratch).
     """
     rest = np.asarray(rest, np.int32)
     if not resumed:
         head = len(rest) % chunk or chunk  # real tokens of the first call
-        first = chunk if head == chunk else min(chunk, 1 << (head - 1).bit_length())
+        first = min(w for w in (prefill_widths(chunk) if widths is None else widths) if w >= head)
         padded = first - head + len(rest)
         tokens = np.zeros((padded,), np.int32)
         valid = np.zeros((padded,), bool)
@@ -199,20 +287,16 @@ def plan_chunks(rest: Sequence[int], chunk: int, resumed: bool) -> list[tuple[np
         valid[first - head:] = True
         bounds = [0, *range(first, padded + 1, chunk)]
         return [(tokens[None, a:b], valid[None, a:b]) for a, b in zip(bounds, bounds[1:])]
-    widths = [chunk] * (len(rest) // chunk)
+    sizes = [chunk] * (len(rest) // chunk)
     left = len(rest) % chunk
-    widths += [1 << b for b in range(left.bit_length() - 1, -1, -1) if left >> b & 1]
+    sizes += [1 << b for b in range(left.bit_length() - 1, -1, -1) if left >> b & 1]
+    if widths is not None and not set(sizes) <= set(widths):
+        return None
     out, at = [], 0
-    for w in widths:
+    for w in sizes:
         out.append((rest[None, at:at + w], np.ones((1, w), bool)))
         at += w
     return out
-
-
-def min_context(chunk: int, min_snapshot: int = 16) -> int:
-    """The smallest ``max_len`` a ``Scheduler`` can warm up in: the resumed prompt of
-    ``min_snapshot + chunk`` tokens and its two new tokens (``Scheduler.warmup``)."""
-    return min_snapshot + chunk + 2
 
 
 class Scheduler:
@@ -240,11 +324,6 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.chunk = prefill_chunk or min(engine.prefill_chunk, 256)
         self.min_snapshot = min_snapshot
-        need = min_context(self.chunk, min_snapshot)
-        if engine.max_len < need:
-            raise ValueError(f"the engine's max_len {engine.max_len} is below the scheduler's minimum {need} "
-                             f"(min_snapshot {min_snapshot} + prefill_chunk {self.chunk} + 2: the warm-up's "
-                             "resumed prompt and its two tokens)")
         self._sync = sync
         # The caller's sharding context, for the loop thread: jax keeps the mesh of
         # `jax.set_mesh` per thread and k31jax's rule table is a context variable; programs
@@ -267,6 +346,7 @@ class Scheduler:
         self.stats = collections.Counter()  # requests, prompt_tokens, cached_tokens, generated_tokens …
         self.ttft_seconds: collections.deque[float] = collections.deque(maxlen=1024)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        self._warmup: Warmup | None = None
         self._reset_device_state()
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -294,31 +374,66 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def warmup(self) -> float:
-        """Compile every program: a fresh prompt, its snapshot, two prompts resumed from it
-        (their remainders of ``chunk - 1`` and ``chunk`` tokens take every width: ``chunk`` and
-        each power of two below it), decode steps, a turn-end snapshot and a compaction. Needs
-        ``min_context(chunk, min_snapshot)`` tokens of context. With ``sync``, every process
-        runs it alike, without broadcasting. Returns compile seconds."""
+    def warmup(self, workers: int = 1) -> float:
+        """Compile every serving program now (``warmup_steps``: a prompt's prefill at each
+        width, the first token, insertion, decode, snapshots, restore and compaction), on
+        `workers` threads, running none of them; afterwards nothing compiles again. Multi-host
+        (``sync``): every process runs it before serving, so all of them plan alike. Returns
+        compile seconds (summed over the workers)."""
         before = self.programs.compile_seconds
-        sync, self._sync = self._sync, None
-        try:
-            base = [1] * self.min_snapshot
-            # The first request makes one token, so no turn-end snapshot exists that a later
-            # prompt could extend instead of `base` (whatever the model generates).
-            for prompt, n_new in ((base, 1), (base + [2] * (self.chunk - 1), 2), (base + [3] * self.chunk, 2)):
-                h = self.submit(Request(prompt, max_new_tokens=n_new, stop_ids=frozenset()))
-                self._run_until_idle()
-                h.result(timeout=0)
-        finally:
-            self._sync = sync
-        live = np.zeros((self.max_batch,), bool)
-        self.cache = self.programs.compact(self.cache, live)
-        self.pos = int(to_host(self.cache.pos))
-        self.prefix = PrefixCache(self.prefix.max_bytes)  # forget the warm-up's snapshots
-        self.stats.clear()
-        self.ttft_seconds.clear()
+        warm = Warmup(self.warmup_steps(), self._context)
+        warm.start(workers, self._mesh, lambda: self._stop)
+        warm.join()
+        if warm.error is not None:
+            raise warm.error
         return self.programs.compile_seconds - before
+
+    def start_warmup(self, workers: int = 1, on_done: Callable[["Warmup"], None] | None = None) -> "Warmup":
+        """``warmup`` on background threads while the scheduler already serves: a request that
+        needs a program still compiling waits for it, prefill calls use the widths compiled so
+        far (``plan_chunks``), the most needed programs compile first. `on_done(status)` runs
+        on a warm-up thread at the end. Not with ``sync``: processes must plan alike."""
+        if self._sync is not None:
+            raise RuntimeError("multi-host serving warms up before it serves: call warmup() on every process")
+        self._warmup = Warmup(self.warmup_steps(), self._context, on_done)
+        self._warmup.start(workers, self._mesh, lambda: self._stop)
+        return self._warmup
+
+    @property
+    def warmup_status(self) -> "Warmup | None":
+        """The background warm-up (``start_warmup``), or None."""
+        return self._warmup
+
+    def warmup_steps(self) -> list[tuple[str, Callable[[], object]]]:
+        """(label, compile it) for every serving program, what the first request needs first:
+        the full-width prefill, decode, the first token, insertion, snapshots, restore,
+        compaction, then the narrower prefill widths. Programs run on shapes only
+        (``SlotPrograms``, ``abstract``); a step that needs another's outputs compiles or waits
+        for it first, so the steps may run in any order, on several threads."""
+        progs, b = self.programs, self.max_batch
+        scratch = progs.abstract_cache(1, progs.scratch_len)
+        cache, sampler = abstract(self.cache), abstract(self.sampler)
+
+        def prefill(width: int = self.chunk):
+            return progs.prefill_chunk(scratch, np.zeros((1, width), np.int32), np.ones((1, width), bool))
+
+        def first():
+            force, allowed, banned = _constraints([(None, None)])
+            arrays = sampler_arrays([SamplingParams()], [[0]], self.vocab)
+            mask = first_token_mask(self.tokenizer, [b""], self.vocab)[0]
+            return progs.first(prefill()[0], arrays, int(force[0]), allowed[0], banned[0], mask)
+
+        def decode():
+            return progs.decode(cache, np.zeros((b,), np.int32), sampler, *_constraints([(None, None)] * b))
+
+        steps = [(f"prefill {self.chunk}", prefill), ("decode", decode), ("first token", first),
+                 ("insert", lambda: progs.insert(cache, prefill()[1], 0, 0)),
+                 ("sampler insert", lambda: progs.sampler_insert(sampler, first()[1], 0)),
+                 ("prompt snapshot", lambda: progs.compile_snapshot(prefill()[1])),
+                 ("turn-end snapshot", lambda: progs.compile_snapshot(decode()[1])),
+                 ("restore", lambda: progs.compile_restore(progs.compile_snapshot(prefill()[1]))),
+                 ("compact", lambda: progs.compact(decode()[1], np.zeros((b,), bool)))]
+        return steps + [(f"prefill {w}", functools.partial(prefill, w)) for w in prefill_widths(self.chunk)[1:]]
 
     # ---- submission ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -337,6 +452,13 @@ class Scheduler:
     def submit(self, req: Request, *, tool_choice: ToolChoice | None = None, logprobs: bool = False,
                sink: Callable[[object], None] | None = None) -> Handle:
         self.check(req)
+        if tool_choice is not None and tool_choice.mode != "none":
+            room = ToolChoiceForcer(self.tokenizer, tool_choice.mode, tool_names=tool_choice.names,
+                                    name=tool_choice.name, prompt_ids=req.prompt,
+                                    max_new_tokens=req.max_new_tokens).min_new_tokens
+            if req.max_new_tokens < room:
+                raise ValueError(f"max_tokens {req.max_new_tokens} is too small for the forced tool call: its "
+                                 f"markup alone takes up to {room} tokens, its arguments more")
         with self._lock:
             if self._queued >= self.max_queue:
                 raise QueueFullError(f"{self._queued} requests waiting (max_queue={self.max_queue})")
@@ -464,14 +586,40 @@ class Scheduler:
         pad_id = self.engine.media_pad_id
         key = image_prefix_key(prompt, pad_id, [(image_digest(im), im.num_tokens) for im in req.images])
         snap = self.prefix.longest_prefix(key) if self.prefix.max_bytes else None
+        planned = self._plan_prefill(prompt, len(snap.tokens), req.snapshot_at) if snap is not None else None
+        if planned is None:  # nothing stored, or (warm-up) a resumed plan needs a width not compiled yet
+            snap, planned = None, self._plan_prefill(prompt, 0, req.snapshot_at)
         if snap is not None:
             scratch, cached = self.programs.restore(snap), len(snap.tokens)
         else:
             scratch, cached = self.programs.new_cache(1, self.programs.scratch_len), 0
-        chunks = plan_chunks(prompt[cached:], self.chunk, resumed=cached > 0)
+        chunks, history_chunk = planned
         rows = self.engine.image_rows(req)  # the vision model, once per request
         first_row = sum(t == pad_id for t in prompt[:cached]) if rows is not None else 0
-        self._prefill = _Prefill(h, scratch, chunks, cached, key=key, image_rows=rows, next_row=[first_row])
+        self._prefill = _Prefill(h, scratch, chunks, cached, key=key, image_rows=rows, next_row=[first_row],
+                                 history_chunk=history_chunk)
+
+    def _plan_prefill(self, prompt: list[int], cached: int, history: int | None):
+        """(prefill calls for `prompt[cached:]`, the call after which its first `history` tokens
+        are snapshotted, or None), or None when a resumed prompt needs a width the warm-up has
+        not compiled yet. The calls split at `history` when it lies inside the uncached part."""
+        widths = self._usable_widths()
+        if (history is not None and cached < history < len(prompt) and history >= self.min_snapshot
+                and self.prefix.max_bytes):
+            head = plan_chunks(prompt[cached:history], self.chunk, resumed=cached > 0, widths=widths)
+            tail = plan_chunks(prompt[history:], self.chunk, resumed=True, widths=widths)
+            if head is not None and tail is not None:
+                return head + tail, len(head) - 1
+        chunks = plan_chunks(prompt[cached:], self.chunk, resumed=cached > 0, widths=widths)
+        return None if chunks is None else (chunks, None)
+
+    def _usable_widths(self) -> set[int] | None:
+        """The prefill widths a plan may use: while a background warm-up runs, those compiled
+        so far and ``chunk`` (the first it compiles: a request waits for it); else all of them
+        (each compiled on first use)."""
+        if self._warmup is None or not self._warmup.running:
+            return None
+        return self.programs.prefill_widths | {self.chunk}
 
     def _prefill_step(self, all_chunks: bool) -> None:
         p = self._prefill
@@ -482,6 +630,8 @@ class Scheduler:
                 splice_ids = np.where(valid, tokens, -1)
                 spliced = chunk_splice(splice_ids, [p.image_rows], p.next_row, self.engine.media_pad_id)
             p.logits, p.scratch = self.programs.prefill_chunk(p.scratch, tokens, valid, splice_ids, spliced)
+            if p.next_chunk == p.history_chunk:  # the conversation so far, before its closing notes
+                self.prefix.put(self.programs.snapshot(p.scratch, 0, p.key[:p.handle.request.snapshot_at]))
             p.next_chunk += 1
             if not all_chunks:
                 break
@@ -562,7 +712,10 @@ class Scheduler:
         if len(gen) > 1 and len(fed) >= self.min_snapshot and self.prefix.max_bytes:
             self.prefix.put(self.programs.snapshot(self.cache, slot, fed))
         now = time.perf_counter()
-        r.handle.sink(Finished(r.ctl.completion(r.prompt_tokens), r.cached_tokens,
+        completion = r.ctl.completion(r.prompt_tokens)
+        if r.forcer is not None and r.forcer.cut:  # max_new_tokens closed the call early, not the model
+            completion = dataclasses.replace(completion, finish_reason=FINISH_LENGTH)
+        r.handle.sink(Finished(completion, r.cached_tokens,
                                r.t_first - r.handle.submitted, now - r.handle.submitted))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 
 import jax
@@ -67,6 +68,23 @@ def _program_key(tree) -> tuple:
         return sharding.mesh, spec, sharding.memory_kind
 
     return treedef, tuple((shape, dtype, plain(sharding)) for shape, dtype, sharding in leaves)
+
+
+def abstract(tree):
+    """``jax.ShapeDtypeStruct``s (shape, dtype, sharding, weak type) of a tree's device arrays;
+    host values stay as they are. Calling a ``SlotPrograms`` program on them only compiles it."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            weak = getattr(x, "weak_type", False)  # key arrays have none
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=weak)
+        return x
+    return jax.tree.map(one, tree)
+
+
+def _plain_struct(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """An output's shape without its memory layout, as an argument to the next program (the
+    arrays it stands for have the default layout)."""
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding, weak_type=s.weak_type)
 
 
 def _valid_first(valid: jax.Array) -> jax.Array:
@@ -213,29 +231,66 @@ class Snapshot:
 
 class SlotPrograms:
     """Compiled slot-cache programs of one engine (model, backends), each compiled once per
-    signature; ``compile_counts`` counts compiles per kind (a test checks it stops growing)."""
+    signature; ``compile_counts`` counts compiles per kind (a test checks it stops growing).
+
+    Thread-safe: a background warm-up (``Scheduler.start_warmup``) compiles programs while the
+    scheduler thread runs others; a thread that needs a program another one is compiling waits
+    for that compile. With ``jax.ShapeDtypeStruct`` leaves among a call's arguments nothing
+    runs: the program is compiled (or found) and the call returns its outputs' shapes, so the
+    warm-up can compile the whole serving sequence without allocating or running anything."""
 
     def __init__(self, engine, max_batch: int, scratch_len: int):
         self.engine = engine
         self.config = engine.config
         self.max_batch, self.max_len, self.scratch_len = max_batch, engine.max_len, scratch_len
         self._programs: dict[tuple, object] = {}
+        self._compiling: dict[tuple, threading.Event] = {}
+        self._lock = threading.Lock()
         self.compile_counts: collections.Counter[str] = collections.Counter()
         self.compile_seconds = 0.0
+        self.prefill_widths: set[int] = set()  # widths of the prefill programs compiled so far
 
     def call(self, kind: str, *args):
+        n_static = _JITS[kind][1]
+        fn = self.compiled(kind, *args)
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(args[n_static:])):
+            return jax.tree.map(_plain_struct, fn.out_info)
+        return fn(*args[n_static:])
+
+    def compiled(self, kind: str, *args):
+        """The program of `kind` for these arguments (arrays or their ``jax.ShapeDtypeStruct``s),
+        compiled on first use."""
         jitted, n_static = _JITS[kind]
         static, dyn = args[:n_static], args[n_static:]
         uses_model = kind in ("prefill_chunk", "prefill_image", "decode")
         key = (kind, None if uses_model else static, _program_key(dyn[1:] if uses_model else dyn))
-        fn = self._programs.get(key)
-        if fn is None:
+        while True:
+            with self._lock:
+                fn = self._programs.get(key)
+                if fn is not None:
+                    return fn
+                busy = self._compiling.get(key)
+                if busy is None:
+                    self._compiling[key] = threading.Event()
+                    break
+            busy.wait()  # another thread compiles it (if that failed, this one tries)
+        try:
             t0 = time.perf_counter()
             fn = jitted.lower(*args).compile()
-            self.compile_seconds += time.perf_counter() - t0
-            self.compile_counts[kind] += 1
-            self._programs[key] = fn
-        return fn(*dyn)
+            with self._lock:
+                self._programs[key] = fn
+                self.compile_seconds += time.perf_counter() - t0
+                self.compile_counts[kind] += 1
+                if kind in ("prefill_chunk", "prefill_image"):
+                    self.prefill_widths.add(int(np.shape(args[4])[1]))  # tokens [1, w]
+        finally:
+            with self._lock:
+                self._compiling.pop(key).set()
+        return fn
+
+    def abstract_cache(self, batch: int, length: int) -> Cache:
+        """The shapes of ``new_cache(batch, length)``, compiling its program but running nothing."""
+        return jax.tree.map(_plain_struct, self.compiled("init_cache", self.config, batch, length).out_info)
 
     # ---- typed wrappers -------------------------------------------------------------------
     def new_cache(self, batch: int, length: int) -> Cache:
@@ -294,6 +349,26 @@ class SlotPrograms:
         valid = np.zeros((1, s2), bool)
         valid[0, :n] = True
         return self.call("restore", fields, valid, np.int32(n))
+
+    def compile_snapshot(self, cache) -> dict[str, jax.ShapeDtypeStruct]:
+        """Compile ``snapshot``'s program for a cache of these shapes; its arrays' shapes."""
+        arrays, _ = self.call("extract", cache, np.int32(0))
+        return arrays
+
+    def compile_restore(self, extracted: dict[str, jax.ShapeDtypeStruct]) -> None:
+        """Compile ``restore`` for snapshots of ``extract``'s output shapes (host arrays, as
+        ``restore`` gets them), running nothing."""
+        s2 = self.scratch_len
+        fields = {}
+        for name in STATE_FIELDS + MLA_FIELDS:
+            a = extracted.get(name)
+            if a is None:
+                fields[name] = None
+            elif name in MLA_FIELDS:
+                fields[name] = jax.ShapeDtypeStruct((a.shape[0], 1, s2) + a.shape[2:], a.dtype)
+            else:
+                fields[name] = jax.ShapeDtypeStruct((a.shape[0], 1) + a.shape[1:], a.dtype)
+        self.call("restore", fields, np.zeros((1, s2), bool), np.int32(1))
 
     def init_sampler(self, arrays):
         return self.call("init_sampler", arrays)

@@ -7,11 +7,12 @@ from ._ffn import DenseMLP, LatentMoE, PackedExperts
 from ._kda_layer import KDAMixer
 from ._mla_layer import Indexer, MLAMixer
 from ._model import (INTERMEDIATES, LAYER_STACKS, REMAT_POLICIES, K31ForCausalLM, LayerNorms, abstract_model,
-                     unstack_layers)
+                     expert_words, unstack_layers)
 from ._sizes import ParamCount, count_params
 
 __all__ = [
     "CACHE_AXES", "Cache", "DenseMLP", "INTERMEDIATES", "Indexer", "K31ForCausalLM", "KDAMixer", "LAYER_STACKS",
     "LatentMoE", "LayerNorms", "MLAMixer", "PackedExperts", "ParamCount", "REMAT_POLICIES", "abstract_model",
     "constrain_cache", "count_params", "dequantize_experts", "init_cache", "quantize_experts", "unstack_layers",
+    "expert_words",
 ]

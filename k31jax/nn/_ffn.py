@@ -21,8 +21,9 @@ class PackedExperts(nnx.Module):
         self.packed = param(packed, axes)
         self.scale = param(scale, axes)
 
-    def weight(self) -> MXFP4Weight:
-        return MXFP4Weight(self.packed[...], self.scale[...])
+    def weight(self, row=None) -> MXFP4Weight:
+        """The weight; with `row`, `packed` / `scale` hold a whole layer stack and this is its row."""
+        return MXFP4Weight(self.packed[...], self.scale[...], row)
 
 
 def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
@@ -34,8 +35,9 @@ def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
     return PackedExperts(packed, scale, axes)
 
 
-def _weight_value(w):
-    return w.weight() if isinstance(w, PackedExperts) else w[...]
+def _weight_value(w, row=None):
+    """A routed-expert weight's value; `row` applies to packed experts only (`expert_row`)."""
+    return w.weight(row) if isinstance(w, PackedExperts) else w[...]
 
 
 def _ep_plan(ep: str, n_tokens: int, weights):
@@ -98,8 +100,12 @@ class LatentMoE(nnx.Module):
         b, t, d = x.shape
         return router_scores(x.reshape(b * t, d), self.gate[...], self.cfg.moe_router_activation_func).reshape(b, t, -1)
 
-    def __call__(self, x, *, backends: Backends | None = None):
+    def __call__(self, x, *, backends: Backends | None = None, expert_row=None):
         """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights).
+
+        expert_row: set when the routed experts hold a whole layer stack (`LAYER_STACKS`) and
+        this layer is its row `expert_row` (the model's inference layer step: a decode step
+        then reads the chosen experts straight from the stack).
 
         backends (default `Backends()`): `moe` is the local grouped-matmul form, `kernels` the
         seam its "auto" consults for packed MXFP4 experts, `ep` the expert parallelism under an
@@ -115,12 +121,12 @@ class LatentMoE(nnx.Module):
         kwargs = dict(hidden_act=c.hidden_act, beta_gate=c.activation_situ_beta,
                       beta_up=c.activation_situ_linear_beta,
                       weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8")
-        ws = tuple(_weight_value(w) for w in (self.w_gate, self.w_up, self.w_down))
+        ws = tuple(_weight_value(w, expert_row) for w in (self.w_gate, self.w_up, self.w_down))
         plan = _ep_plan(backends.ep, b * t, ws)
         if plan is None:
             u = routed_experts(u_in, idx, weights, *ws, impl=backends.moe, kernels=backends.kernels, **kwargs)
         else:
-            u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, **kwargs)
+            u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, local=backends.moe, **kwargs)
         u = u.astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:

@@ -98,7 +98,7 @@ class MLAMixer(nnx.Module):
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
 
     def __call__(self, x, c_kv_cache=None, k_pe_cache=None, index_cache=None, *, pos=0,
-                 key_valid=None, backends: Backends | None = None, segment_ids=None):
+                 key_valid=None, backends: Backends | None = None, segment_ids=None, layer=None):
         """x `[B, T, D]` -> (y, c_kv_cache, k_pe_cache, index_cache).
 
         Without caches the T tokens attend among themselves. With caches (`[B, S, ·]`), the new
@@ -110,6 +110,11 @@ class MLAMixer(nnx.Module):
         padding; no caches): a query attends, and the indexer selects, only within its own
         document, so every document computes exactly what it would alone; padding outputs are
         zero before o_proj.
+        layer: the caches are the whole stacks `[L, B, S, ·]` of every MLA layer and this layer
+        is row `layer`: the new latents are written into the stacks in place and the keys read
+        from its row, and the stacks come back. A layer's cache handed over as its own array
+        is a copy of it, and writing it back a copy of the stack: 3.2 GB per step on a TPU chip
+        at 128k tokens (`k31jax compile`).
         """
         if segment_ids is not None and c_kv_cache is not None:
             raise ValueError("MLAMixer: segment_ids (packed rows) is for the no-cache path; it "
@@ -126,11 +131,18 @@ class MLAMixer(nnx.Module):
             if key_valid is None:
                 key_valid = jnp.ones((b, t), bool)
         else:
-            upd = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), pos, axis=1)
+            def upd(buf, new):
+                if layer is None:
+                    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), pos, axis=1)
+                return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype)[None], (layer, 0, pos, 0))
+
+            def row(buf):
+                return buf if layer is None or buf is None else jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)
+
             c_kv_cache, k_pe_cache = upd(c_kv_cache, c_kv), upd(k_pe_cache, k_pe)
             if idx_k is not None:
                 index_cache = upd(index_cache, idx_k)
-            keys_ckv, keys_kpe, keys_idx = c_kv_cache, k_pe_cache, index_cache
+            keys_ckv, keys_kpe, keys_idx = row(c_kv_cache), row(k_pe_cache), row(index_cache)
         s_len = keys_ckv.shape[1]
         q_pos = pos + jnp.arange(t)
         mask = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..ops import Backends, attn_res_mix, rms_norm
+from ..quant import words_view
 from ..sharding import constrain
 from ._cache import Cache, constrain_cache, init_cache
 from ._ffn import DenseMLP, LatentMoE
@@ -168,12 +169,10 @@ def _mla_step(call: _Call, mixer, slot, x, cache: Cache | None):
     if cache is None:
         y, *_ = mixer(x, key_valid=call.key_valid, backends=call.backends, segment_ids=call.segment_ids)
         return y, cache
-    index_keys = None if cache.index_keys is None else cache.index_keys[slot]
-    y, ckv, kpe, index_keys = mixer(x, cache.mla_ckv[slot], cache.mla_kpe[slot], index_keys, pos=call.pos,
-                                    key_valid=call.key_valid, backends=call.backends)
-    cache = cache.replace(mla_ckv=cache.mla_ckv.at[slot].set(ckv), mla_kpe=cache.mla_kpe.at[slot].set(kpe),
-                          index_keys=None if index_keys is None else cache.index_keys.at[slot].set(index_keys))
-    return y, cache
+    # the whole stacks, updated in place at this layer's row (`MLAMixer(layer=)`)
+    y, ckv, kpe, index_keys = mixer(x, cache.mla_ckv, cache.mla_kpe, cache.index_keys, pos=call.pos,
+                                    key_valid=call.key_valid, backends=call.backends, layer=slot)
+    return y, cache.replace(mla_ckv=ckv, mla_kpe=kpe, index_keys=index_keys)
 
 
 def _dense_step(call: _Call, ffn, x):
@@ -185,8 +184,8 @@ def _dense_step(call: _Call, ffn, x):
     return ffn(x), route
 
 
-def _moe_step(call: _Call, moe, x):
-    y, idx, weights = moe(x, backends=call.backends)
+def _moe_step(call: _Call, moe, x, expert_row=None):
+    y, idx, weights = moe(x, backends=call.backends, expert_row=expert_row)
     route = dict(router_idx=idx, router_weights=weights)
     if "router_scores" in call.collect:
         route["router_scores"] = moe.scores(x)
@@ -223,6 +222,21 @@ def _take_row(stack, row):
     return jax.tree.map(lambda a: a[row], stack, is_leaf=_is_rows)
 
 
+ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
+
+
+def _take_ffn_row(stack, row, is_moe: bool):
+    """`_take_row` of an FFN stack, except packed routed experts held as stacked arrays: those
+    stay whole, and the MoE reads its experts at `[row, e]` from them (`LatentMoE(expert_row=)`),
+    so no layer's experts are copied out of the stack (returns (state, expert_row or None))."""
+    keep = [name for name in ROUTED_EXPERTS if is_moe and isinstance(stack.get(name), nnx.State)
+            and "packed" in stack[name] and not _is_rows(stack[name]["packed"].get_value())]
+    if not keep:
+        return _take_row(stack, row), None
+    rest = nnx.State({k: v for k, v in stack.items() if k not in keep})
+    return nnx.State({**_take_row(rest, row), **{k: stack[k] for k in keep}}), row
+
+
 def _holds_rows(states: dict) -> bool:
     return any(_is_rows(a) for a in jax.tree.leaves(states["norms"], is_leaf=_is_rows))
 
@@ -244,6 +258,30 @@ def unstack_layers(state: nnx.State) -> nnx.State:
                       for key, sub in state.items()})
 
 
+def expert_words(state: nnx.State) -> nnx.State:
+    """The model state with the packed routed experts' codes held as uint32 words `[..., n/4]`
+    (the same bytes, `MXFP4Weight`): the accelerator inference layout. XLA:TPU retiles a uint8
+    stack that a loop reads, one copy of every layer's experts per call; words it reads in
+    place. Leaves may be arrays or ShapeDtypeStructs (ahead-of-time compilation); shardings
+    are kept (the words split where the bytes did, when the split divides them)."""
+    def words(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] // 4,), jnp.uint32, sharding=a.sharding)
+        out = words_view(a)
+        return jax.device_put(out, a.sharding) if isinstance(a, jax.Array) else out
+
+    if "moe" not in state:
+        return state
+    moe = dict(state["moe"])
+    for name in ROUTED_EXPERTS:
+        w = moe.get(name)
+        if isinstance(w, nnx.State) and "packed" in w and w["packed"].get_value().dtype == jnp.uint8:
+            w = nnx.State(dict(w))
+            w["packed"] = w["packed"].replace(words(w["packed"].get_value()))
+            moe[name] = w
+    return nnx.State({**state, "moe": nnx.State(moe)})
+
+
 def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int], carry, source):
     """One decoder layer of static kinds over the carry (partial sum, block snapshots, their
     count, cache). `source` holds stacks: "index" / "mixer_slot" / "norms" (row `at[0]`), the
@@ -254,9 +292,10 @@ def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int
     act = jnp.dtype(cfg.dtype)
     prefix, blocks, n_blocks, cache = carry
     layer, mixer_row, ffn_row = at
+    ffn_state, expert_row = _take_ffn_row(source["ffn"], ffn_row, is_moe)
     row = dict(index=source["index"][layer], mixer_slot=source["mixer_slot"][layer],
                norms=_take_row(source["norms"], layer), mixer=_take_row(source["mixer"], mixer_row),
-               ffn=_take_row(source["ffn"], ffn_row))
+               ffn=ffn_state)
     norms = row["norms"]
     attn_in = _attn_res_input(cfg, norms.get("attn_res_norm"), norms.get("attn_res_proj"), blocks, n_blocks, prefix)
     if cfg.use_attn_res:
@@ -268,8 +307,8 @@ def _layer_step(call: _Call, is_mla: bool, is_moe: bool, at: tuple[int, int, int
     cache = constrain_cache(cache)
     mlp_in = _attn_res_input(cfg, norms.get("mlp_res_norm"), norms.get("mlp_res_proj"), blocks, n_blocks, prefix)
     ffn = nnx.merge(call.graphdefs["moe" if is_moe else "dense"], row["ffn"])
-    mlp_out, route = (_moe_step if is_moe else _dense_step)(call, ffn, rms_norm(mlp_in, norms["post_norm"],
-                                                                                 cfg.rms_norm_eps))
+    ffn_in = rms_norm(mlp_in, norms["post_norm"], cfg.rms_norm_eps)
+    mlp_out, route = _moe_step(call, ffn, ffn_in, expert_row) if is_moe else _dense_step(call, ffn, ffn_in)
     prefix = constrain(prefix + mlp_out.astype(act), "batch", "seq", "act_embed")
     if cfg.use_attn_res:
         blocks = constrain(blocks, "batch", "seq", None, "act_embed")

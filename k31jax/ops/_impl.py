@@ -42,7 +42,7 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
-MOE_FORMS = ("auto", "ragged", "blocked", "gather")
+MOE_FORMS = ("auto", "ragged", "blocked", "gather", "selected")
 SPARSE_FORMS = ("auto", "mask", "gather")
 EP_EXCHANGES = ("auto", "ragged", "dense", "allgather", "off")
 
@@ -69,8 +69,11 @@ class Backends:
       "pallas" (opt in to every kernel) or "interpret" (the kernel bodies on the Pallas
       interpreter, any backend). Default: `$K31JAX_KERNELS`, else "auto".
     moe: the routed experts' grouped-matmul form (`ops.routed_experts`): "auto" (packed MXFP4
-      experts take the kernel when `kernels` resolves to one; otherwise "gather" for fewer
-      assignments than experts, "blocked" on CPU, "ragged" elsewhere), or one of those forms.
+      experts take the kernel when `kernels` resolves to one; otherwise, for fewer
+      assignments than experts, "gather" on CPU and "selected" (a loop over the chosen
+      experts) for packed experts elsewhere, then "blocked" on CPU, "ragged" elsewhere), or
+      one of those forms. Under expert parallelism the local form is "selected" or "ragged"
+      ("auto": "selected" for packed experts and few assignments, off CPU).
     sparse: the indexer-selected MLA attention: "auto" (the gather form for decode and long
       prefill, the [T, S] mask form for short prefill), "mask" or "gather".
     ep: expert parallelism under a mesh whose rules split the experts: "auto" (the platform's

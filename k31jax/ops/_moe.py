@@ -28,6 +28,7 @@ def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
     """The float value of an expert weight: MXFP4 is dequantised in-graph; with `fake_quant`
     a float weight is quantise-dequantised to MXFP4 along `in` (QAT, straight-through grad)."""
     if isinstance(w, MXFP4Weight):
+        w = w.layer()
         return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
     if fake_quant:
         return fake_quant_weight(w, "e2m1", "floor").astype(dtype)
@@ -37,6 +38,7 @@ def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
 def take_experts(w: ExpertWeight, idx: Int[Array, "..."]) -> ExpertWeight:
     """Gather the experts `idx` along the leading axis, keeping the storage format."""
     if isinstance(w, MXFP4Weight):
+        w = w.layer()
         return MXFP4Weight(w.packed[idx], w.scale[idx])
     return w[idx]
 
@@ -74,7 +76,7 @@ def grouped_matmul(
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
         return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
-                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
+                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w.as_bytes(), group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
                                    preferred_element_type=jnp.float32)
@@ -126,6 +128,61 @@ def grouped_matmul_blocked(
     return y.reshape(n_blocks * block, -1)[dest]
 
 
+def expert_window(num_tokens: int, assignments: int) -> int:
+    """Rows one expert can receive: a token picks an expert at most once."""
+    return max(1, min(num_tokens, assignments))
+
+
+def one_expert(w: ExpertWeight, e: Int[Array, ""]) -> ExpertWeight:
+    """Expert `e` of a stacked weight (`[out, in]`), keeping the storage format; a weight that
+    is a row of a layer stack is sliced at `[row, e]` from the stack itself."""
+    if isinstance(w, MXFP4Weight):
+        at = (e,) if w.row is None else (w.row, e)
+
+        def take(a):
+            return jax.lax.dynamic_slice(a, at + (0,) * (a.ndim - len(at)),
+                                         (1,) * len(at) + a.shape[len(at):]).reshape(a.shape[len(at):])
+
+        return MXFP4Weight(take(w.packed), take(w.scale))
+    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
+def visit_selected_experts(
+    x_sorted: Float[Array, "M in"], group_sizes: Int[Array, "E"], window: int, expert_rows, out_dim: int,
+    out_dtype,
+) -> Float[Array, "M out"]:
+    """`expert_rows(x_window, e)` for every expert `e` that has rows, one expert per loop trip.
+
+    Rows are sorted by expert; each trip takes the `window` rows from expert e's first one
+    (`window` bounds any expert's row count, see `expert_window`), and keeps the results of
+    its own rows. Only chosen experts are visited, so a caller that decodes each expert's
+    weight inside `expert_rows` holds one expert in float at a time and reads no other
+    expert's bytes: decode at batch 8 touches ~128 of K3.1's 896 experts, not all of them.
+    Groups padded past `M` (rows of the padding expert `E`) are never visited.
+    """
+    m = x_sorted.shape[0]
+    e_count = group_sizes.shape[0]
+    used = group_sizes > 0
+    ids = jnp.nonzero(used, size=e_count, fill_value=0)[0]
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    x_pad = jnp.concatenate([x_sorted, jnp.zeros((window,) + x_sorted.shape[1:], x_sorted.dtype)])
+    keep = jnp.arange(window)
+
+    def trip(j, y):
+        e = ids[j]
+        start = starts[e]
+        rows = jax.lax.dynamic_slice_in_dim(x_pad, start, window)
+        out = expert_rows(rows, e).astype(out_dtype)
+        old = jax.lax.dynamic_slice_in_dim(y, start, window)
+        new = jnp.where((keep < group_sizes[e])[:, None], out, old)
+        return jax.lax.dynamic_update_slice_in_dim(y, new, start, axis=0)
+
+    y = jnp.zeros((m + window, out_dim), out_dtype)
+    with jax.named_scope("selected_experts"):
+        y = jax.lax.fori_loop(0, jnp.sum(used.astype(jnp.int32)), trip, y)
+    return y[:m]
+
+
 def combine(
     y_sorted: Float[Array, "M d"], order: Int[Array, "M"], weights: Float[Array, "N K"]
 ) -> Float[Array, "N d"]:
@@ -162,31 +219,46 @@ def routed_experts(
     impl="blocked": the same sort, then one batched matmul over expert-homogeneous row blocks
     of `blocked_rows` rows (CPU).
     impl="gather": gather each assignment's weights and run a batched matmul; reads only the
-    chosen experts, which is what decode with few tokens wants.
+    chosen experts, which is what decode with few tokens wants on CPU.
+    impl="selected": the same sort, then a loop over the chosen experts only, each expert's
+    weight decoded (bf16) right before its rows' matmuls (`visit_selected_experts`): what
+    decode wants on an accelerator, where the gather form copies and decodes a weight per
+    assignment. Not reverse-differentiable (a dynamic loop); training uses float experts.
     impl="pallas" | "interpret": the same sort, then the Pallas MXFP4 grouped matmul of
     `k31jax.kernels.mxfp4_matmul` (gate and up fused in one launch); float weights fall back
     to `ragged_dot`.
     impl="auto": for MXFP4 weights, the kernel whenever the seam `kernels` resolves to one
-    (`_impl.resolve_impl`: None picks it on a GPU); otherwise "gather" when there are fewer
-    assignments than experts, else "blocked" on CPU and "ragged" elsewhere.
+    (`_impl.resolve_impl`: None picks it on a GPU); otherwise, with fewer assignments than
+    experts, "gather" on CPU and for float experts, "selected" for packed experts on other
+    platforms (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a
+    CPU host gets it); else "blocked" on CPU and "ragged" elsewhere.
     """
     n, k = idx.shape
+    options = dict(hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up, kernels=kernels,
+                   weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
-    num_experts = (w_gate.packed if isinstance(w_gate, MXFP4Weight) else w_gate).shape[0]
+    num_experts = w_gate.shape[0]
     if impl == "auto":
         kernel = resolve_impl(kernels, "mxfp4_gmm", supported=packed)
         if packed and kernel != "xla":
             impl = kernel
+        elif n * k < num_experts and packed:
+            return jax.lax.platform_dependent(
+                x, idx, weights, w_gate, w_up, w_down,
+                cpu=functools.partial(routed_experts, impl="gather", **options),
+                default=functools.partial(routed_experts, impl="selected", **options))
         elif n * k < num_experts:
             impl = "gather"
         else:
             # XLA:CPU's ragged_dot does ~E dense matmuls; worth avoiding once they are big
-            big = num_experts * n * k * x.shape[-1] * (w_gate.packed.shape[1] if isinstance(w_gate, MXFP4Weight)
-                                                       else w_gate.shape[1]) > 1 << 26
+            big = num_experts * n * k * x.shape[-1] * w_gate.shape[1] > 1 << 26
             impl = "blocked" if big and jax.default_backend() == "cpu" else "ragged"
 
     def act(g, u):
         return glu(g, u, hidden_act, beta_gate, beta_up)
+
+    if impl != "selected":  # every other form reads whole layers
+        w_gate, w_up, w_down = (w.layer() if isinstance(w, MXFP4Weight) else w for w in (w_gate, w_up, w_down))
 
     def qin(a):
         return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
@@ -211,10 +283,24 @@ def routed_experts(
             g, u = kernel_or_reference(
                 "mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=impl),
                 lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
-                xs, w_gate, w_up, sizes)
+                xs, w_gate.as_bytes(), w_up.as_bytes(), sizes)
         else:
             g, u = (grouped_matmul(xs, w, sizes, weight_fake_quant) for w in (w_gate, w_up))
         y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=impl)
+        return combine(y, order, weights)
+    if impl == "selected":
+        xs, order, sizes = permute(x, idx, num_experts)
+
+        def expert_rows(rows, e):
+            def mm(inp, w):
+                wf = materialize(one_expert(w, e), inp.dtype, weight_fake_quant)
+                return jnp.einsum("wi,oi->wo", inp, wf, preferred_element_type=jnp.float32).astype(inp.dtype)
+
+            rows = qin(rows)
+            return mm(qin(act(mm(rows, w_gate), mm(rows, w_up))), w_down)
+
+        d_out = w_down.shape[1]
+        y = visit_selected_experts(xs, sizes, expert_window(n, n * k), expert_rows, d_out, x.dtype)
         return combine(y, order, weights)
     if impl == "gather":
         flat = idx.reshape(-1)
@@ -231,4 +317,4 @@ def routed_experts(
         return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
                           precision=jax.lax.Precision.HIGHEST)
     raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged', 'blocked', 'gather', "
-                     "'pallas' or 'interpret'")
+                     "'selected', 'pallas' or 'interpret'")

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ..sharding._rules import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
-from ._moe import RAGGED_DOT_DIMS, materialize
+from ._moe import RAGGED_DOT_DIMS, expert_window, materialize, one_expert, visit_selected_experts
 
 EXCHANGES = ("ragged", "dense", "allgather")
 _HI = jax.lax.Precision.HIGHEST
@@ -114,7 +114,10 @@ class EPPlan:
             spec = P(ep, None, tp) if down else P(ep, tp, None)
             if isinstance(w, MXFP4Weight):
                 scale = spec if (not down or self.scale_split) else P(ep, None, None)
-                out.append(MXFP4Weight(spec, scale))
+                if w.row is not None:  # a row of a layer stack: the stack's layer axis stays whole
+                    out.append(MXFP4Weight(P(None, *spec), P(None, *scale), P()))
+                else:
+                    out.append(MXFP4Weight(spec, scale))
             else:
                 out.append(spec)
         return tuple(out)
@@ -125,7 +128,7 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _shape(w):
-    return (w.packed if isinstance(w, MXFP4Weight) else w).shape
+    return w.shape
 
 
 def make_ep_plan(n_tokens: int, weights, *, exchange: str = "auto", mesh=None, rules=None) -> EPPlan | None:
@@ -167,38 +170,67 @@ def _local_float(w, dtype, plan: EPPlan, down: bool, fake_quant: bool):
     """The float value of this device's shard of an expert weight."""
     if not isinstance(w, MXFP4Weight):
         return materialize(w, dtype, fake_quant)
+    w = w.layer()
     if not down or plan.scale_split:
         return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
     # The intermediate is split finer than the 32-blocks: each byte (2 codes) takes the scale
     # of the block its global column falls in.
-    half = w.packed.shape[-1]
+    half = w.shape[-1]
     r = jax.lax.axis_index(_axis(plan.tp_axes))
     cols = r * (2 * half) + 2 * jnp.arange(half)
     return mxfp4_dequantize_packed(w.packed, jnp.take(w.scale, cols // 32, axis=-1), dtype=dtype, block=2)
 
 
-def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, hidden_act, beta_gate, beta_up,
-                 weight_fake_quant, activation_fake_quant):
-    """Each row through its (local) expert; rows with local_e == n_local give zeros."""
+def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_form, window, hidden_act,
+                 beta_gate, beta_up, weight_fake_quant, activation_fake_quant):
+    """Each row through its (local) expert; rows with local_e == n_local give zeros.
+
+    local_form "ragged": one `ragged_dot` per weight over every local expert (prefill);
+    "selected": a loop over the local experts some row chose (`visit_selected_experts`),
+    each decoded where it is used (decode); "auto": "selected" off CPU, "ragged" on CPU
+    (chosen at lowering).
+    """
+    if local_form == "auto":
+        def form(name):
+            return lambda *a: _expert_rows(
+                *a[:2], n_local, *a[2:], plan, local_form=name, window=window, hidden_act=hidden_act,
+                beta_gate=beta_gate, beta_up=beta_up, weight_fake_quant=weight_fake_quant,
+                activation_fake_quant=activation_fake_quant)
+
+        return jax.lax.platform_dependent(rows, local_e, w_gate, w_up, w_down, cpu=form("ragged"),
+                                          default=form("selected"))
     order = jnp.argsort(local_e, stable=True)
     sizes = jnp.bincount(local_e, length=n_local + 1)[:n_local].astype(jnp.int32)
     xs = rows[order]
     dt = rows.dtype
+    # With the intermediate split, keep the partial sums in fp32 until the tensor psum.
+    out_dt = jnp.float32 if plan.tp_size > 1 else dt
 
     def qin(a):
         return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
 
-    def gmm(inp, w, down=False, f32=False):
+    def gmm(inp, w, down=False):
         wf = _local_float(w, inp.dtype, plan, down, weight_fake_quant)
         y = jax.lax.ragged_dot_general(inp, wf, sizes, RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
-        return y if f32 else y.astype(inp.dtype)
+        return y.astype(out_dt if down else inp.dtype)
 
-    xs = qin(xs)
-    h = glu(gmm(xs, w_gate), gmm(xs, w_up), hidden_act, beta_gate, beta_up)
-    # With the intermediate split, keep the partial sums in fp32 until the tensor psum.
-    y = gmm(qin(h), w_down, down=True, f32=plan.tp_size > 1)
-    if plan.tp_size == 1:
-        y = y.astype(dt)
+    def expert_rows(x_w, e):
+        def mm(inp, w, down=False):
+            wf = _local_float(one_expert(w, e), inp.dtype, plan, down, weight_fake_quant)
+            y = jnp.einsum("wi,oi->wo", inp, wf, preferred_element_type=jnp.float32)
+            return y.astype(out_dt if down else inp.dtype)
+
+        x_w = qin(x_w)
+        return mm(qin(glu(mm(x_w, w_gate), mm(x_w, w_up), hidden_act, beta_gate, beta_up)), w_down, down=True)
+
+    if local_form == "selected":
+        d_out = _shape(w_down)[1]
+        y = visit_selected_experts(xs, sizes, window, expert_rows, d_out, out_dt)
+    elif local_form == "ragged":
+        xs = qin(xs)
+        y = gmm(qin(glu(gmm(xs, w_gate), gmm(xs, w_up), hidden_act, beta_gate, beta_up)), w_down, down=True)
+    else:
+        raise ValueError(f"expert-parallel local form {local_form!r}: expected 'auto', 'ragged' or 'selected'")
     return jnp.zeros_like(y).at[order].set(y)
 
 
@@ -240,12 +272,22 @@ def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
 
 def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hidden_act: str = "situ",
                       beta_gate: float = 4.0, beta_up: float | None = 25.0, weight_fake_quant: bool = False,
-                      activation_fake_quant: bool = False):
+                      activation_fake_quant: bool = False, local: str = "auto"):
     """`Σ_k p_k · E_{e_k}(x)` (fp32 `[N, d]`) with the experts split as `plan` says.
 
     Same contract as `k31jax.ops.routed_experts`. The result is complete (reduced over the
     expert and tensor axes) and split over `plan.token_axes`.
+
+    local: each device's grouped matmul (`_expert_rows`): "ragged", "selected", or "auto" —
+    "selected" off CPU for packed experts and fewer assignments than experts (decode, short
+    prefill: each device then reads only the experts its rows chose), "ragged" otherwise.
     """
+    n, k = idx.shape
+    packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
+    if local == "auto" and not (packed and n * k < plan.num_experts):
+        local = "ragged"
+    if local not in ("auto", "ragged", "selected"):
+        local = "ragged"  # the single-device forms (blocked, gather) have no expert-parallel variant
     i_local = _shape(w_gate)[1] // plan.tp_size
     if plan.tp_size > 1 and (weight_fake_quant or activation_fake_quant) and i_local % 32:
         raise NotImplementedError(
@@ -253,7 +295,8 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
             "32-blocks would straddle devices; use a mesh whose tensor size divides "
             "moe_intermediate_size / 32")
     tok = P(_entry(plan.token_axes), None)
-    body = functools.partial(_body, plan=plan, hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
+    body = functools.partial(_body, plan=plan, local_form=local, window=expert_window(n, n * k * plan.ep_size),
+                             hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
                              weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down),
                        out_specs=tok, check_vma=False)

@@ -16,17 +16,20 @@ from k31jax.quant._formats import FORMATS, RULES, get_format
 from k31jax.quant._mx import compute_scales, decode_elements, dequantize, quantize, quantize_with_scales
 from k31jax.quant._pack import (
     MXFP4Weight,
+    code_bytes,
     mxfp4_block_max_histogram,
     mxfp4_dequantize_packed,
+    mxfp4_dequantize_packed_bf16,
     mxfp4_quantize_packed,
     mxfp4_unpack_to_e4m3,
     pack_fp4,
     unpack_fp4,
+    words_view,
 )
 from k31jax.quant._qat import fake_quant, mx_fake_quant_activations
 
 __all__ = [
     "FORMATS", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
     "get_format", "mx_fake_quant_activations", "mxfp4_block_max_histogram", "mxfp4_dequantize_packed",
-    "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "unpack_fp4",
+    "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "unpack_fp4",
 ]

@@ -33,10 +33,50 @@ from k31jax.quant._mx import (
 
 class MXFP4Weight(NamedTuple):
     """A stacked MXFP4 expert weight `[E, out, in]` held packed: E2M1 codes two per byte
-    (low nibble = even element) `[E, out, in/2]` and E8M0 scale bytes `[E, out, in/32]`."""
+    (low nibble = even element) `[E, out, in/2]` and E8M0 scale bytes `[E, out, in/32]`.
+
+    Two inference layouts of the same bytes, for accelerator programs:
+    - `packed` may be uint32 `[E, out, in/8]`, four code bytes per word (little-endian, so the
+      same byte order). XLA:TPU retiles uint8 arrays that a loop reads (a copy of the whole
+      stack in every call); 32-bit words keep their layout (`words_view`).
+    - `row` set: `packed` / `scale` are a whole layer stack `[L, E, ...]` and this weight is
+      its row `row`. Code that reads one expert (`one_expert` in `k31jax.ops`) slices
+      `[row, e]` straight from the stack; everything else takes `layer()`. A row of a stack
+      handed to a loop as its own array is a copy of the layer's experts in every call.
+    """
 
     packed: jax.Array
     scale: jax.Array
+    row: jax.Array | None = None
+
+    def layer(self) -> MXFP4Weight:
+        """This layer's arrays (`row` None; the codes kept as stored, bytes or words)."""
+        if self.row is None:
+            return self
+        return MXFP4Weight(self.packed[self.row], self.scale[self.row])
+
+    def as_bytes(self) -> MXFP4Weight:
+        """This layer with uint8 codes `[E, out, in/2]`, for code that reads bytes (kernels)."""
+        w = self.layer()
+        return MXFP4Weight(code_bytes(w.packed), w.scale)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The byte-code shape of one layer, `[E, out, in/2]`."""
+        shape = tuple(self.packed.shape[1:] if self.row is not None else self.packed.shape)
+        return shape[:-1] + (shape[-1] * (4 if self.packed.dtype == jnp.uint32 else 1),)
+
+
+def code_bytes(packed: jax.Array) -> jax.Array:
+    """uint8 codes `[..., n]` of packed codes held as uint8 or as uint32 words `[..., n/4]`."""
+    if packed.dtype != jnp.uint32:
+        return packed
+    return jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(*packed.shape[:-1], 4 * packed.shape[-1])
+
+
+def words_view(packed: jax.Array) -> jax.Array:
+    """uint32 words `[..., n/4]` of uint8 codes `[..., n]` (n a multiple of 4): the same bytes."""
+    return jax.lax.bitcast_convert_type(jnp.asarray(packed).reshape(*packed.shape[:-1], -1, 4), jnp.uint32)
 
 
 if TYPE_CHECKING:
@@ -144,15 +184,62 @@ def mxfp4_dequantize_packed(
     Returns:
       ``dtype`` array ``[..., out, in]``.
     """
-    packed = jnp.asarray(packed)
-    if packed.dtype != jnp.uint8:
-        raise TypeError(f"mxfp4_dequantize_packed: packed must be uint8, got {packed.dtype}")
+    packed = _check_codes(packed, "mxfp4_dequantize_packed")
     scale = _as_u8_scale(scale, "mxfp4_dequantize_packed")
-    _check_packed_pair(packed.shape, scale.shape, block, "mxfp4_dequantize_packed")
+    _check_packed_pair(_byte_shape(packed), scale.shape, block, "mxfp4_dequantize_packed")
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return _dequantize_bits(packed, scale, dtype, block)
+    # XLA:CPU: the integer form (faster there). Accelerators: the native E2M1 / E8M0 converts
+    # straight to bf16, which XLA:TPU fuses with the scale multiply and keeps in bf16 (the
+    # integer form materialises f32 copies of the whole weight before its matmul).
+    return jax.lax.platform_dependent(
+        packed, scale, cpu=functools.partial(_dequantize_bits, dtype=dtype, block=block),
+        default=functools.partial(mxfp4_dequantize_packed_bf16, block=block))
+
+
+def _check_codes(packed, name: str) -> jax.Array:
+    packed = jnp.asarray(packed)
+    if packed.dtype not in (jnp.uint8, jnp.uint32):
+        raise TypeError(f"{name}: packed must be uint8 (or uint32 words of 4 code bytes), got {packed.dtype}")
+    return packed
+
+
+def _byte_shape(packed) -> tuple[int, ...]:
+    return packed.shape[:-1] + (packed.shape[-1] * (4 if packed.dtype == jnp.uint32 else 1),)
+
+
+def _dequantize_bits(packed, scale, dtype, block):
+    packed = code_bytes(packed)
     v = jnp.stack([_e2m1_to_f32(packed & 0xF), _e2m1_to_f32(packed >> 4)], axis=-1)
     v = v.reshape(*scale.shape, block)  # [..., out, in/2, 2] -> [..., out, in/32, 32]
     out = apply_scale_blocks(v, scale)
     return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1]).astype(dtype)
+
+
+def mxfp4_dequantize_packed_bf16(
+    packed: UInt8[Array, "*B out in_half"],
+    scale: UInt8[Array, "*B out in_blocks"],
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> Float[Array, "*B out in"]:
+    """The bf16 value of packed MXFP4 through the native ``float4_e2m1fn`` and
+    ``float8_e8m0fnu`` types: codes -> bf16, scale byte -> bf16 power of two, one multiply.
+
+    Every E2M1 x E8M0 product whose magnitude is a bf16 normal (>= 2**-126) is exact, as are
+    0xFF scales (NaN) and overflow (+-Inf). Below that the result is a bf16 subnormal where
+    :func:`mxfp4_dequantize_packed`'s integer form gives +-0, and accelerators that flush bf16
+    subnormals give +-0 too; scales that small (byte < 2) do not occur in trained weights.
+    """
+    packed = _check_codes(packed, "mxfp4_dequantize_packed_bf16")
+    scale = _as_u8_scale(scale, "mxfp4_dequantize_packed_bf16")
+    nbytes = _byte_shape(packed)
+    _check_packed_pair(nbytes, scale.shape, block, "mxfp4_dequantize_packed_bf16")
+    # u8 -> [..., 2] or u32 words -> [..., 8] codes, lowest bits first (the byte order): words
+    # decode straight to codes, with no byte array in between
+    codes = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    v = codes.astype(jnp.bfloat16).reshape(*scale.shape, block)
+    s = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu).astype(jnp.bfloat16)
+    return (v * s[..., None]).reshape(*nbytes[:-1], 2 * nbytes[-1])
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "block"))

@@ -4,9 +4,14 @@ and the documented stream events.
 History conversion (chat_format.md §6): an assistant turn's ``thinking`` blocks become its
 ``reasoning_content`` (first), ``text`` blocks its content and ``tool_use`` blocks its tool
 calls; a user turn's ``tool_result`` blocks become tool messages, in order, before its text.
-Effort: ``output_config.effort`` (low / high / max); ``thinking: {"type": "disabled"}`` turns
-thinking off and ``{"type": "enabled", "budget_tokens": N}`` caps it at N tokens. User
-``image`` blocks (``source.type: base64``) go to the prompt as they are (``_protocol.RequestImages``).
+Effort: ``output_config.effort`` (low → low, medium / high → high, max → max:
+``_protocol.ANTHROPIC_EFFORTS``); ``thinking: {"type": "disabled"}`` turns thinking off and
+``{"type": "enabled", "budget_tokens": N}`` caps it at N tokens and, without an explicit effort,
+sets one from N (``_protocol.BUDGET_EFFORTS``: below 4096 low, below 16384 high, else max).
+``tool_choice.disable_parallel_tool_use`` returns the first call only. User ``image`` blocks
+(``source.type: base64``) go to the prompt as they are (``_protocol.RequestImages``). Fields this
+server cannot honour (structured output, server tools, MCP servers, containers, context
+management) are refused with a 400 naming them (``MESSAGES_UNSUPPORTED``).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from typing import Any
 
 from ..chat import ParsedMessage
 from ..generate import Request
-from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, get, in_range, invalid,
-                        render_prompt, sampling, stop_list, tool_choice_spec)
+from ._protocol import (ANTHROPIC_EFFORTS, GenSpec, RequestImages, budget_effort, check_context, effort_settings,
+                        get, in_range, invalid, max_tool_calls, refuse_unsupported, render_prompt, sampling,
+                        stop_list, tool_choice_spec)
 
 STOP_REASON = {"length": "max_tokens"}
 
@@ -124,11 +130,20 @@ def _tools(body) -> list[dict[str, Any]] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str) or not t["name"]:
             raise invalid(f"tools.{i} must be an object with a 'name'", f"tools.{i}")
+        if t.get("type") not in (None, "custom"):
+            raise invalid(f"tools.{i}.type = {t['type']!r} is not supported: this server runs no server tools "
+                          "(web search, code execution, ...); declare custom tools with an input_schema",
+                          f"tools.{i}.type")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
         if t.get("description"):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _parallel(body) -> bool:
+    tc = get(body, "tool_choice", dict) or {}
+    return not get(tc, "disable_parallel_tool_use", bool, False, where="tool_choice.")
 
 
 def _tool_choice(body) -> Any:
@@ -147,20 +162,41 @@ def _tool_choice(body) -> Any:
     raise invalid(f"tool_choice.type must be auto, any, tool or none; got {kind!r}", "tool_choice.type")
 
 
+_NO_JSON = "this server does not constrain output to JSON yet: parse the reply yourself"
+# Fields that change what the client gets, refused rather than ignored; (name, accepted, why).
+MESSAGES_UNSUPPORTED = (
+    ("output_format", lambda v: False, _NO_JSON),
+    ("mcp_servers", lambda v: v == [], "this server connects to no MCP servers"),
+    ("container", lambda v: False, "this server runs no code execution container"),
+    ("context_management", lambda v: False, "this server does not edit the context"),
+)
+
+
+def _thinking(body) -> tuple[bool, str | None, int | None]:
+    """(thinking, effort, budget) from `thinking` and `output_config.effort` (module docstring)."""
+    cfg = get(body, "thinking", dict, {})
+    output_config = get(body, "output_config", dict, {})
+    refuse_unsupported(output_config, (("format", lambda v: False, _NO_JSON),), "output_config.")
+    effort = get(output_config, "effort", str, where="output_config.")
+    kind = get(cfg, "type", str, "enabled", where="thinking.")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise invalid(f"thinking.type must be enabled, disabled or adaptive; got {kind!r}", "thinking.type")
+    if kind == "disabled":
+        return False, None, None
+    budget = get(cfg, "budget_tokens", int, where="thinking.")
+    in_range("thinking.budget_tokens", budget, 0, 1 << 30)
+    if effort is None and budget is not None:
+        return True, budget_effort(budget), budget
+    return (*effort_settings(effort, "output_config.effort", ANTHROPIC_EFFORTS), budget)
+
+
 def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None) -> GenSpec:
+    refuse_unsupported(body, MESSAGES_UNSUPPORTED)
     messages = to_openai_messages(body)
     max_tokens = get(body, "max_tokens", int, required=True)
     in_range("max_tokens", max_tokens, 1, 1 << 30)
     tools = _tools(body)
-    thinking_cfg = get(body, "thinking", dict, {})
-    effort = get(get(body, "output_config", dict, {}), "effort", str, where="output_config.")
-    budget = None
-    if thinking_cfg.get("type") == "disabled":
-        thinking, effort = False, None
-    else:
-        thinking, effort = effort_settings(effort, "output_config.effort")
-        budget = get(thinking_cfg, "budget_tokens", int, where="thinking.")
-        in_range("thinking.budget_tokens", budget, 0, 1 << 30)
+    thinking, effort, budget = _thinking(body)
     template_choice, forced = tool_choice_spec(_tool_choice(body), tools, "tool_choice")
     temperature = get(body, "temperature", float)
     in_range("temperature", temperature, 0, 1)
@@ -173,24 +209,20 @@ def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir
     images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
                            tool_choice=template_choice, images=images)
-    max_tokens = check_context(len(prompt), max_tokens, max_len, "max_tokens")
-    req = Request(prompt, sampling(temperature, top_p, top_k, get(body, "seed", int)), max_tokens, None,
-                  stop, budget, parse=True, chat_format="k3", markup="ids", images=tuple(images.images))
-    return GenSpec(req, forced, forced is not None and forced.mode == "none", False, 0)
+    max_tokens = check_context(len(prompt.ids), max_tokens, max_len, "max_tokens")
+    req = Request(prompt.ids, sampling(temperature, top_p, top_k, get(body, "seed", int)), max_tokens, None,
+                  stop, budget, parse=True, chat_format="k3", markup="ids", images=tuple(images.images),
+                  snapshot_at=prompt.history)
+    return GenSpec(req, forced, max_tool_calls(forced, _parallel(body)), False, 0)
 
 
 def count_tokens(body: Mapping[str, Any], tokenizer, *, image_dir: str | None = None) -> int:
     messages = to_openai_messages(body)
     tools = _tools(body)
-    thinking_cfg = get(body, "thinking", dict, {})
-    effort = get(get(body, "output_config", dict, {}), "effort", str, where="output_config.")
-    if thinking_cfg.get("type") == "disabled":
-        thinking, effort = False, None
-    else:
-        thinking, effort = effort_settings(effort, "output_config.effort")
+    thinking, effort, _ = _thinking(body)
     template_choice, _ = tool_choice_spec(_tool_choice(body), tools, "tool_choice")
     return len(render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                             tool_choice=template_choice, images=RequestImages(image_dir)))
+                             tool_choice=template_choice, images=RequestImages(image_dir)).ids)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -198,23 +230,24 @@ def new_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def stop_reason(reason: str, stop: Any, parsed: ParsedMessage | None, drop_calls: bool) -> tuple[str, str | None]:
-    if parsed is not None and parsed.tool_calls and not drop_calls:
+def stop_reason(reason: str, stop: Any, calls) -> tuple[str, str | None]:
+    """`max_tokens` when the limit ended the turn (a call it cut may be incomplete), else
+    `tool_use` when the reply has calls, else the stop sequence or `end_turn`."""
+    if calls and reason != "length":
         return "tool_use", None
     if reason == "stop" and isinstance(stop, str):
         return "stop_sequence", stop
     return STOP_REASON.get(reason, "end_turn"), None
 
 
-def content_blocks(parsed: ParsedMessage, drop_calls: bool) -> list[dict[str, Any]]:
+def content_blocks(parsed: ParsedMessage, calls) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if parsed.reasoning_content is not None:
         blocks.append({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""})
     if parsed.content:
         blocks.append({"type": "text", "text": parsed.content})
-    if not drop_calls:
-        for c in parsed.tool_calls:
-            blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)})
+    for c in calls:
+        blocks.append({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)})
     return blocks
 
 

@@ -5,6 +5,11 @@ The scheduler runs on its own thread; each request gets an ``asyncio.Queue`` fed
 thread (``loop.call_soon_threadsafe``). A request is submitted before its response starts, so
 a full queue is a real 429 even for streams; a client that disconnects mid-stream cancels its
 handle and the scheduler frees the row at its next step.
+
+The app serves while the scheduler's background warm-up compiles (``Scheduler.start_warmup``):
+``/health`` answers 503 ``warming_up`` with the programs left, then 200 ``ok``; requests are
+accepted meanwhile and wait only for the programs they need. The access log (``ACCESS_LOG``, one
+line per request: method, path, status, seconds, tokens) is on unless ``access_log=False``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +44,10 @@ ANTHROPIC_ERRORS = {"invalid_request": "invalid_request_error", "authentication"
                     "overloaded": "overloaded_error"}
 
 
+ACCESS_LOG = logging.getLogger("k31jax.serve.access")
+_USAGE = "k31jax.usage"  # the scope entry a route fills with its request's token counts
+
+
 @dataclasses.dataclass
 class ServeSettings:
     model_name: str
@@ -44,6 +55,41 @@ class ServeSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
     image_dir: str | None = None  # local image files are read only below this folder (None: none)
+    default_max_tokens: int | None = 1024  # chat completions without max_tokens (None: the rest of the context)
+    access_log: bool = True
+
+
+class _AccessLog:
+    """ASGI middleware: one ``ACCESS_LOG`` line per HTTP request once its response (a whole
+    stream included) is sent: client, method, path, status, seconds, and the tokens a generation
+    route noted in the scope (``_note_usage``)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [0]
+        usage = scope.setdefault(_USAGE, {})
+
+        async def noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            client = scope.get("client")
+            tokens = (f" tokens prompt={usage['prompt']} cached={usage['cached']} completion={usage['completion']}"
+                      if usage else "")
+            ACCESS_LOG.info(f"{client[0] if client else '-'} {scope['method']} {scope['path']} "
+                            f"{status[0] or 500} {time.perf_counter() - t0:.3f}s{tokens}")
+
+
+def _note_usage(request: Request, prompt: int, completion: int, cached: int) -> None:
+    request.scope.setdefault(_USAGE, {}).update(prompt=prompt, completion=completion, cached=cached)
 
 
 def _is_anthropic(path: str) -> bool:
@@ -59,6 +105,8 @@ def error_body(path: str, err: APIError) -> dict[str, Any]:
 
 def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="k31jax serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.access_log:
+        app.add_middleware(_AccessLog)
     tok = scheduler.tokenizer
     max_len = scheduler.max_len
 
@@ -139,8 +187,21 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     # ---- service routes --------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_name, "queue_depth": scheduler.queue_depth,
-                "running": scheduler.running}
+        body: dict[str, Any] = {"status": "ok", "ready": True, "model": settings.model_name,
+                                "queue_depth": scheduler.queue_depth, "running": scheduler.running}
+        code, warm = 200, scheduler.warmup_status
+        if warm is not None:
+            left = list(warm.left)
+            body["warmup"] = {"compiled": len(warm.done), "total": len(warm.done) + len(left), "left": left,
+                              "seconds": round(warm.seconds, 1)}
+            if warm.error is not None:
+                body.update(status="error", ready=False)
+                body["warmup"]["error"] = f"{type(warm.error).__name__}: {warm.error}"
+                code = 500
+            elif not warm.ready:  # requests are accepted meanwhile: they wait for what they need
+                body.update(status="warming_up", ready=False)
+                code = 503
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics():
@@ -150,39 +211,44 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     async def models(request: Request):
         check_key(request)
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "k31jax"}]}
+                                            "owned_by": "k31jax", "context_length": max_len,
+                                            "default_max_tokens": settings.default_max_tokens}]}
 
     # ---- OpenAI ----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await body_of(request)
-        spec = oai.chat_spec(body, tok, max_len, image_dir=settings.image_dir)
+        spec = oai.chat_spec(body, tok, max_len, image_dir=settings.image_dir,
+                             default_max_tokens=settings.default_max_tokens)
         handle, out = submit(spec)
         rid, created, model = oai.new_id("chatcmpl"), oai.now(), settings.model_name
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _sse(_chat_stream(spec, handle, out, rid, created, model, include_usage))
+            return _sse(_chat_stream(request, spec, handle, out, rid, created, model, include_usage))
         fin, toks = await collect(handle, out)
         c = fin.completion
+        _note_usage(request, c.prompt_tokens, len(c.tokens), fin.cached_tokens)
         lps = ([oai.logprob_entry(tok, t.delta.token_ids[0], t.logprob, spec.top_logprobs) for t in toks]
                if spec.logprobs else None)
-        return oai.chat_response(rid, model, created, oai.chat_message(c.parsed, spec.drop_tool_calls),
-                                 oai.finish_reason(c.finish_reason, None if spec.drop_tool_calls else c.parsed),
+        calls = spec.calls(c.parsed)
+        return oai.chat_response(rid, model, created, oai.chat_message(c.parsed, calls),
+                                 oai.finish_reason(c.finish_reason, calls),
                                  oai.usage(c.prompt_tokens, len(c.tokens), fin.cached_tokens), lps)
 
-    async def _chat_stream(spec, handle, out, rid, created, model, include_usage):
+    async def _chat_stream(request, spec, handle, out, rid, created, model, include_usage):
         yield oai.chat_chunk(rid, model, created, {"role": "assistant", "content": ""})
         try:
             async for item in events(handle, out):
                 if isinstance(item, Finished):
                     c = item.completion
-                    parsed = None if spec.drop_tool_calls else c.parsed
-                    yield oai.chat_chunk(rid, model, created, {}, oai.finish_reason(c.finish_reason, parsed))
+                    _note_usage(request, c.prompt_tokens, len(c.tokens), item.cached_tokens)
+                    yield oai.chat_chunk(rid, model, created, {},
+                                         oai.finish_reason(c.finish_reason, spec.calls(c.parsed)))
                     if include_usage:
                         yield oai.chat_chunk(rid, model, created, None,
                                              usage_=oai.usage(c.prompt_tokens, len(c.tokens), item.cached_tokens))
                     break
-                delta = _chat_delta(item.delta.events, spec.drop_tool_calls)
+                delta = _chat_delta(item.delta.events, spec)
                 lps = ([oai.logprob_entry(tok, item.delta.token_ids[0], item.logprob, spec.top_logprobs)]
                        if spec.logprobs and item.logprob is not None else None)
                 if delta or lps:
@@ -203,6 +269,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
                     async for item in events(handle, out):
                         if isinstance(item, Finished):
                             c = item.completion
+                            _note_usage(request, c.prompt_tokens, len(c.tokens), item.cached_tokens)
                             yield oai.completion_chunk(rid, model, created, "", oai.finish_reason(c.finish_reason, None),
                                                        oai.usage(c.prompt_tokens, len(c.tokens), item.cached_tokens))
                             break
@@ -214,6 +281,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
             return _sse(gen())
         fin, toks = await collect(handle, out)
         c = fin.completion
+        _note_usage(request, c.prompt_tokens, len(c.tokens), fin.cached_tokens)
         lps = None
         if spec.logprobs:
             lps = {"tokens": [tok.decode([t]) for t in c.tokens],
@@ -231,14 +299,16 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
         handle, out = submit(spec)
         mid, model = anth.new_id(), settings.model_name
         if body.get("stream"):
-            return _sse(_messages_stream(spec, handle, out, mid, model))
+            return _sse(_messages_stream(request, spec, handle, out, mid, model))
         fin, _ = await collect(handle, out)
         c = fin.completion
-        reason, seq = anth.stop_reason(c.finish_reason, c.stop, c.parsed, spec.drop_tool_calls)
-        return anth.message(mid, model, anth.content_blocks(c.parsed, spec.drop_tool_calls), reason, seq,
+        _note_usage(request, c.prompt_tokens, len(c.tokens), fin.cached_tokens)
+        calls = spec.calls(c.parsed)
+        reason, seq = anth.stop_reason(c.finish_reason, c.stop, calls)
+        return anth.message(mid, model, anth.content_blocks(c.parsed, calls), reason, seq,
                             c.prompt_tokens, len(c.tokens), fin.cached_tokens)
 
-    async def _messages_stream(spec, handle, out, mid, model):
+    async def _messages_stream(request, spec, handle, out, mid, model):
         n_prompt = len(spec.request.prompt)
         yield anth.event("message_start", {"message": anth.message(mid, model, [], None, None, n_prompt, 0, 0)})
         blocks = _BlockWriter()
@@ -246,15 +316,16 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
             async for item in events(handle, out):
                 if isinstance(item, Finished):
                     c = item.completion
+                    _note_usage(request, c.prompt_tokens, len(c.tokens), item.cached_tokens)
                     for s in blocks.close():
                         yield s
-                    reason, seq = anth.stop_reason(c.finish_reason, c.stop, c.parsed, spec.drop_tool_calls)
+                    reason, seq = anth.stop_reason(c.finish_reason, c.stop, spec.calls(c.parsed))
                     yield anth.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                                        "usage": {"output_tokens": len(c.tokens)}})
                     yield anth.event("message_stop", {})
                     return
                 for ev in item.delta.events:
-                    for s in blocks.feed(ev, spec.drop_tool_calls):
+                    for s in blocks.feed(ev, spec):
                         yield s
         except APIError as e:
             yield f"event: error\ndata: {json.dumps(error_body('/v1/messages', e))}\n\n"
@@ -272,19 +343,25 @@ def _sse(gen) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chat_delta(evs, drop_calls: bool) -> dict[str, Any]:
-    """One OpenAI stream delta from one step's parser events (same-kind texts joined)."""
+def _chat_delta(evs, spec: GenSpec) -> dict[str, Any]:
+    """One OpenAI stream delta from one step's parser events: same-kind texts joined, and one
+    ``tool_calls`` entry per call index (its start and its arguments so far, in order), as
+    clients that read ``delta.tool_calls[0]`` or merge entries by index both expect."""
     delta: dict[str, Any] = {}
+    calls: dict[int, dict[str, Any]] = {}
     for ev in evs:
         if isinstance(ev, ReasoningDelta):
             delta["reasoning_content"] = delta.get("reasoning_content", "") + ev.text
         elif isinstance(ev, ContentDelta):
             delta["content"] = delta.get("content", "") + ev.text
-        elif isinstance(ev, ToolCallStart) and not drop_calls:
-            delta.setdefault("tool_calls", []).append(
-                {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
-        elif isinstance(ev, ToolCallArgsDelta) and not drop_calls:
-            delta.setdefault("tool_calls", []).append({"index": ev.index, "function": {"arguments": ev.arguments}})
+        elif isinstance(ev, ToolCallStart) and spec.keeps_call(ev.index):
+            calls[ev.index] = {"index": ev.index, "id": ev.id, "type": "function",
+                               "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, ToolCallArgsDelta) and spec.keeps_call(ev.index):
+            entry = calls.setdefault(ev.index, {"index": ev.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += ev.arguments
+    if calls:
+        delta["tool_calls"] = [calls[i] for i in sorted(calls)]
     return delta
 
 
@@ -312,7 +389,7 @@ class _BlockWriter:
         self.open = None
         return out
 
-    def feed(self, ev, drop_calls: bool) -> list[str]:
+    def feed(self, ev, spec: GenSpec) -> list[str]:
         out: list[str] = []
         if isinstance(ev, ReasoningDelta):
             if self.open != "thinking":
@@ -324,9 +401,9 @@ class _BlockWriter:
                 out += self._start("text", {"type": "text", "text": ""})
             out.append(anth.event("content_block_delta", {"index": self.index,
                                                           "delta": {"type": "text_delta", "text": ev.text}}))
-        elif isinstance(ev, ToolCallStart) and not drop_calls:
+        elif isinstance(ev, ToolCallStart) and spec.keeps_call(ev.index):
             out += self._start("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
-        elif isinstance(ev, ToolCallArgsDelta) and not drop_calls and self.open == "tool_use":
+        elif isinstance(ev, ToolCallArgsDelta) and spec.keeps_call(ev.index) and self.open == "tool_use":
             out.append(anth.event("content_block_delta", {"index": self.index, "delta": {
                 "type": "input_json_delta", "partial_json": ev.arguments}}))
         return out

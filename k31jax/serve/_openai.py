@@ -7,6 +7,14 @@ reasoning tokens), and for ``/v1/completions`` ``heal_prompt`` (token healing: t
 token is backed off and the first generated one must start with its bytes, which the returned
 text leaves out; `k31jax.generate.heal_prompt`). User content may hold ``image_url`` parts
 (``_protocol.RequestImages``).
+
+``reasoning_effort`` maps onto K3's efforts (``_protocol.OPENAI_EFFORTS``: none / minimal turn
+thinking off, low → low, medium / high → high, xhigh → max). Without ``max_tokens`` a chat
+completion generates the server's default limit at most. ``parallel_tool_calls: false`` returns
+the first call only. Fields this server cannot honour (``response_format`` JSON modes, logit
+biases, penalties, the legacy functions API, audio, ``echo`` / ``suffix`` / ``best_of``) are
+refused with a 400 naming the field (``CHAT_UNSUPPORTED``, ``COMPLETION_UNSUPPORTED``), never
+ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from typing import Any
 from ..chat import ParsedMessage
 from ..generate import Request, heal_prompt
 from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, function_tools, get, in_range,
-                        invalid, render_prompt, sampling, stop_list, tool_choice_spec)
+                        invalid, max_tool_calls, refuse_unsupported, render_prompt, sampling, stop_list,
+                        tool_choice_spec)
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -50,13 +59,42 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None) -> GenSpec:
-    """A chat completion request; local image files are read only below `image_dir`."""
+_NO_JSON = ("this server does not constrain output to JSON yet: send no response_format (or "
+            "{\"type\": \"text\"}) and parse the reply yourself")
+_NO_PENALTY = "repetition penalties are not implemented (leave it 0; top_p / top_k / temperature are)"
+# Fields that change what the client gets, refused rather than ignored; (name, accepted, why).
+CHAT_UNSUPPORTED = (
+    ("response_format", lambda v: isinstance(v, Mapping) and v.get("type") == "text", _NO_JSON),
+    ("logit_bias", lambda v: v == {}, "logit biases are not applied"),
+    ("frequency_penalty", lambda v: v == 0, _NO_PENALTY),
+    ("presence_penalty", lambda v: v == 0, _NO_PENALTY),
+    ("functions", lambda v: False, "the legacy functions API is not supported: use tools"),
+    ("function_call", lambda v: False, "the legacy functions API is not supported: use tool_choice"),
+    ("modalities", lambda v: v == ["text"], "this server returns text only"),
+    ("audio", lambda v: False, "this server returns text only"),
+    ("web_search_options", lambda v: False, "this server has no web search"),
+)
+COMPLETION_UNSUPPORTED = (
+    ("best_of", lambda v: v == 1, "one completion is generated per request (best_of 1)"),
+    ("echo", lambda v: v is False, "the prompt is not echoed back"),
+    ("suffix", lambda v: v == "", "insertion (a suffix after the completion) is not supported"),
+    ("logit_bias", lambda v: v == {}, "logit biases are not applied"),
+    ("frequency_penalty", lambda v: v == 0, _NO_PENALTY),
+    ("presence_penalty", lambda v: v == 0, _NO_PENALTY),
+)
+
+
+def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None,
+              default_max_tokens: int | None = None) -> GenSpec:
+    """A chat completion request; local image files are read only below `image_dir`; without
+    max_tokens it generates `default_max_tokens` at most (None: the rest of the context)."""
     _n_is_one(body)
+    refuse_unsupported(body, CHAT_UNSUPPORTED)
     messages = _messages(body)
     tools = function_tools(body.get("tools"), "tools")
     thinking, effort = effort_settings(body.get("reasoning_effort"), "reasoning_effort")
     template_choice, forced = tool_choice_spec(body.get("tool_choice"), tools, "tool_choice")
+    parallel = get(body, "parallel_tool_calls", bool, True)
     temperature = get(body, "temperature", float)
     in_range("temperature", temperature, 0, 2)
     top_p = get(body, "top_p", float)
@@ -81,15 +119,16 @@ def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: st
     images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
                            tool_choice=template_choice, images=images)
-    max_tokens = check_context(len(prompt), max_tokens, max_len, param)
-    req = Request(prompt, sampling(temperature, top_p, top_k, seed), max_tokens, None, stop,
+    max_tokens = check_context(len(prompt.ids), max_tokens, max_len, param, default_max_tokens)
+    req = Request(prompt.ids, sampling(temperature, top_p, top_k, seed), max_tokens, None, stop,
                   budget if thinking else None, parse=True, chat_format="k3", markup="ids",
-                  images=tuple(images.images))
-    return GenSpec(req, forced, forced is not None and forced.mode == "none", logprobs, top_logprobs)
+                  images=tuple(images.images), snapshot_at=prompt.history)
+    return GenSpec(req, forced, max_tool_calls(forced, parallel), logprobs, top_logprobs)
 
 
 def completion_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec:
     _n_is_one(body)
+    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -123,7 +162,7 @@ def completion_spec(body: Mapping[str, Any], tokenizer, max_len: int) -> GenSpec
     max_tokens = check_context(len(ids), max_tokens, max_len, "max_tokens")
     req = Request(ids, sampling(temperature, top_p, get(body, "top_k", int), get(body, "seed", int)),
                   max_tokens, None, stop, healed_prefix=healed)
-    return GenSpec(req, None, False, logprobs is not None, logprobs or 0)
+    return GenSpec(req, None, None, logprobs is not None, logprobs or 0)
 
 
 def _n_is_one(body) -> None:
@@ -137,8 +176,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def finish_reason(reason: str, parsed: ParsedMessage | None) -> str:
-    if parsed is not None and parsed.tool_calls:
+def finish_reason(reason: str, calls) -> str:
+    """`length` when max_tokens ended the turn (a call it cut may be incomplete), else
+    `tool_calls` when the reply has calls, else `stop`."""
+    if calls and reason != "length":
         return "tool_calls"
     return FINISH.get(reason, "stop")
 
@@ -157,12 +198,12 @@ def logprob_entry(tokenizer, token: int, lp, top: int) -> dict[str, Any]:
     return entry
 
 
-def chat_message(parsed: ParsedMessage, drop_tool_calls: bool) -> dict[str, Any]:
+def chat_message(parsed: ParsedMessage, calls) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning_content is not None:
         msg["reasoning_content"] = parsed.reasoning_content
-    if parsed.tool_calls and not drop_tool_calls:
-        msg["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+    if calls:
+        msg["tool_calls"] = [c.to_openai() for c in calls]
     return msg
 
 

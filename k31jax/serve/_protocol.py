@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..chat import ChatTemplateError, MediaPartError, apply_chat_template
+from ..chat import ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template
 from ..chat._render import resolve_reasoning_effort
 from ..generate import Request, SamplingParams, ToolChoice
 from ..vision import ImagePrompts
@@ -98,20 +98,63 @@ class GenSpec:
 
     request: Request
     tool_choice: ToolChoice | None
-    drop_tool_calls: bool  # tool_choice none: never return a call
+    max_tool_calls: int | None  # calls returned at most: 0 (tool_choice none), 1 (no parallel calls), None
     logprobs: bool
     top_logprobs: int
 
+    def calls(self, parsed: ParsedMessage | None) -> list:
+        """The tool calls a client gets of a parsed reply."""
+        calls = [] if parsed is None else parsed.tool_calls
+        return calls if self.max_tool_calls is None else calls[:self.max_tool_calls]
 
-def effort_settings(reasoning_effort: Any, param: str) -> tuple[bool, str | None]:
-    """(thinking, effort) from an API effort value (``none`` = thinking off)."""
-    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
+    def keeps_call(self, index: int) -> bool:
+        """Whether the streamed call `index` (0-based) reaches the client."""
+        return self.max_tool_calls is None or index < self.max_tool_calls
+
+
+def max_tool_calls(forced: ToolChoice | None, parallel: bool) -> int | None:
+    if forced is not None and forced.mode == "none":
+        return 0
+    return None if parallel else 1
+
+
+# The API effort levels on K3's low / high / max (chat_format.md §4 accepts those three only);
+# None: thinking off. OpenAI's `medium`, its most common value, asks for more than `low`.
+OPENAI_EFFORTS = {"none": None, "minimal": None, "low": "low", "medium": "high", "high": "high",
+                  "xhigh": "max", "max": "max"}
+ANTHROPIC_EFFORTS = {"low": "low", "medium": "high", "high": "high", "max": "max"}
+# Anthropic `thinking.budget_tokens` -> effort when `output_config.effort` is absent: below
+# 4096 tokens `low` (K3 at low effort has been seen reasoning for 3-7k tokens), below 16384
+# `high`, else `max`. The budget itself stays a hard cap on the reasoning.
+BUDGET_EFFORTS = ((4096, "low"), (16384, "high"))
+
+
+def effort_settings(value: Any, param: str, levels: Mapping[str, str | None] = OPENAI_EFFORTS
+                    ) -> tuple[bool, str | None]:
+    """(thinking, effort) from an API effort value (absent: thinking on at the default effort)."""
+    if value is not None and not isinstance(value, str):
         raise invalid(f"field '{param}' must be a string", param)
-    try:
-        return resolve_reasoning_effort(reasoning_effort)
-    except ChatTemplateError:
-        raise invalid(f"field '{param}' = {reasoning_effort!r} is not supported: use low, high, max "
-                      "or none", param) from None
+    if value is not None and value not in levels:
+        raise invalid(f"field '{param}' = {value!r} is not supported: use one of {', '.join(levels)}", param)
+    effort = None if value is None else levels[value]
+    if value is not None and effort is None:
+        return False, None
+    return resolve_reasoning_effort(effort)
+
+
+def budget_effort(budget_tokens: int) -> str:
+    """The effort an Anthropic thinking budget asks for (``BUDGET_EFFORTS``)."""
+    return next((effort for below, effort in BUDGET_EFFORTS if budget_tokens < below), "max")
+
+
+def refuse_unsupported(body: Mapping[str, Any], fields: Sequence[tuple[str, Any, str]], where: str = "") -> None:
+    """A 400 for a field that would change what the client gets but that this server does not
+    implement; `fields`: (name, a predicate accepting the values it may have here, why not)."""
+    for name, accepted, why in fields:
+        value = body.get(name)
+        if value is not None and not accepted(value):
+            raise invalid(f"field '{where}{name}' = {json.dumps(value)[:80]} is not supported: {why}",
+                          f"{where}{name}")
 
 
 def tool_choice_spec(choice: Any, tools: Sequence[Mapping[str, Any]] | None, param: str) -> tuple[Any, ToolChoice | None]:
@@ -168,18 +211,53 @@ class RequestImages(ImagePrompts):
         return super().__call__(part)
 
 
+@dataclasses.dataclass
+class Prompt:
+    """A rendered chat prompt: its ids, and where its conversation ends when notes for this
+    turn follow it (the tool-choice message; None otherwise)."""
+
+    ids: list[int]
+    history: int | None
+
+
+class _Recorded:
+    """A media prompt that keeps the blocks it returns, to render the same conversation again."""
+
+    def __init__(self, inner):
+        self.inner, self.blocks = inner, []
+
+    def __call__(self, part: Mapping[str, Any]) -> str:
+        block = self.inner(part)
+        self.blocks.append(block)
+        return block
+
+
 def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | None,
-                  tool_choice: Any, images: ImagePrompts | None = None) -> list[int]:
-    """The prompt's ids; `images` (a `RequestImages`) reads the image parts, which then render
-    as media blocks and are kept in `images.images`."""
+                  tool_choice: Any, images: ImagePrompts | None = None) -> Prompt:
+    """The prompt; `images` (a `RequestImages`) reads the image parts, which then render as
+    media blocks and are kept in `images.images`.
+
+    The tool-choice message (``required`` / ``none``) follows the conversation and the next turn
+    does not repeat it, so this turn's prompt is no prefix of the next one: `history` marks the
+    conversation's end, where the scheduler stores a snapshot for the next turn to resume from.
+    """
+    recorded = _Recorded(images) if images is not None else None
+    kw = dict(thinking=thinking, thinking_effort=effort if thinking else None)
     try:
-        return apply_chat_template(tokenizer, messages, tools or None, thinking=thinking,
-                                   thinking_effort=effort if thinking else None, tool_choice=tool_choice,
-                                   media_prompt=images)
+        ids = apply_chat_template(tokenizer, messages, tools or None, tool_choice=tool_choice,
+                                  media_prompt=recorded, **kw)
+        history = None
+        if tool_choice in ("required", "none"):
+            blocks = iter(recorded.blocks if recorded is not None else ())
+            head = apply_chat_template(tokenizer, messages, tools or None, add_generation_prompt=False,
+                                       media_prompt=(lambda part: next(blocks)) if images is not None else None,
+                                       **kw)
+            history = len(head) if ids[:len(head)] == head else None
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
     except (TypeError, AttributeError, KeyError) as e:
         raise invalid(f"messages could not be rendered: {e}", "messages") from None
+    return Prompt(ids, history)
 
 
 def sampling(temperature, top_p, top_k, seed, param_prefix: str = "") -> SamplingParams:
@@ -194,14 +272,15 @@ def sampling(temperature, top_p, top_k, seed, param_prefix: str = "") -> Samplin
         raise invalid(f"{param_prefix}{e}") from None
 
 
-def check_context(n_prompt: int, max_tokens: int | None, max_len: int, param: str) -> int:
-    """The max_tokens to use; a 400 naming the limit when the prompt (plus max_tokens) does not
-    fit the context."""
+def check_context(n_prompt: int, max_tokens: int | None, max_len: int, param: str,
+                  default: int | None = None) -> int:
+    """The max_tokens to use (absent: `default`, at most the rest of the context); a 400 naming
+    the limit when the prompt (plus max_tokens) does not fit the context."""
     if n_prompt >= max_len:
         raise invalid(f"the prompt has {n_prompt} tokens; this server's context length is {max_len} "
                       f"tokens (prompt + {param} must fit)", "messages")
     if max_tokens is None:
-        return max_len - n_prompt
+        return max_len - n_prompt if default is None else min(default, max_len - n_prompt)
     if n_prompt + max_tokens > max_len:
         raise invalid(f"the prompt has {n_prompt} tokens and {param} is {max_tokens}: together they "
                       f"exceed this server's context length of {max_len} tokens", param)

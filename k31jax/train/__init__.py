@@ -12,19 +12,22 @@ DeepSeek-V3.2-style indexer distillation with its top-k recall (`TrainConfig.dis
 
 from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics, sequence_balance_loss
 from ._config import TrainConfig
-from ._data import DataConfig, heldout_bytes, load_documents, make_dataset
+from ._data import DataConfig, HoldoutSplit, heldout_bytes, holdout_split, load_documents, make_dataset
 from ._distill import RecallResult, indexer_distill_terms, indexer_kl, indexer_recall, topk_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
 from ._metrics import plot_metrics, read_metrics
 from ._optim import OptimConfig, decay_mask, make_optimizer, param_labels
-from ._trainer import EvalResult, Trainer, TrainResult, evaluate, load_any, load_run, train
+from ._runs import eval_split, load_generation_model, training_files
+from ._trainer import (EvalResult, Trainer, TrainResult, abstract_train_step, evaluate, load_any, load_run,
+                       train)
 
 __all__ = [
-    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "DataConfig", "EvalResult", "LoraState", "OptimConfig", "RecallResult",
-    "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte", "chunked_cross_entropy",
-    "decay_mask", "evaluate", "expert_load", "full_cross_entropy", "heldout_bytes", "indexer_distill_terms",
-    "indexer_kl", "indexer_recall", "init_lora", "load_any", "load_documents", "load_metrics", "load_run",
-    "make_dataset", "make_optimizer", "param_labels", "plot_metrics", "read_metrics", "sequence_balance_loss",
-    "topk_recall", "train", "with_index_topk",
+    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
+    "RecallResult", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",
+    "chunked_cross_entropy", "decay_mask", "eval_split", "evaluate", "expert_load", "full_cross_entropy",
+    "heldout_bytes", "holdout_split", "indexer_distill_terms", "indexer_kl", "indexer_recall", "init_lora",
+    "load_any", "load_documents", "load_generation_model", "load_metrics", "load_run", "make_dataset",
+    "make_optimizer", "param_labels", "plot_metrics", "read_metrics", "sequence_balance_loss", "topk_recall",
+    "train", "training_files", "with_index_topk",
 ]

@@ -16,11 +16,19 @@ Inputs (``load_documents``):
 - A directory stands for its ``*.txt``, ``*.py``, ``*.md`` and ``*.jsonl`` files, recursively,
   sorted, skipping hidden files and folders.
 
-Splits: a document is held out when a hash of (seed, its content) falls below
-``holdout_fraction``, so the split depends only on the document itself (identical copies
-land on the same side, adding files moves nothing). ``"train"`` shuffles documents per epoch
-and rows per pack and repeats; ``"heldout"`` is one pass in file order, unshuffled, with the
-last batch padded by empty rows.
+Splits (``DataConfig.holdout_by``): by document, a document is held out when a hash of
+(seed, its content) falls below ``holdout_fraction``, so the split depends only on the
+document itself (identical copies land on the same side, adding files moves nothing). Too few
+documents (fewer than ``1 / holdout_fraction``, or one side empty: one file at 0.05 is either
+all training or all held out) make that split meaningless; then it is made inside the text:
+every text document is cut into chunks of about ``chunk_chars`` characters at line ends (a
+transcript is one chunk), the ``max(1, round(holdout_fraction * chunks))`` chunks with the
+lowest hash of (seed, content) are held out, and each side's neighbouring chunks are joined
+again. ``"auto"`` (the default) picks the document split when there are enough documents,
+else the chunk split; `resolved_holdout` fixes the choice, and a training run records it in
+its ``run.json``.
+``"train"`` shuffles documents per epoch and rows per pack and repeats; ``"heldout"`` is one
+pass in file order, unshuffled, with the last batch padded by empty rows.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ CHAT_SUFFIX = ".jsonl"
 DIRECTORY_SUFFIXES = (".txt", ".py", ".md", CHAT_SUFFIX)
 ROLES = ("system", "user", "assistant", "tool")
 SPLITS = ("train", "heldout", "all")
+HOLDOUT_UNITS = ("auto", "document", "chunk")
 # Tokenizing is the heavy per-document step; a few threads keep ahead of the trainer.
 _READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 
@@ -59,11 +68,14 @@ def _content_id(kind: str, payload: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TextDocument:
-    """Plain text. ``source`` names the file (``path#k`` for the k-th separated piece);
-    ``doc_id`` is a content hash, the document's identity for the held-out split."""
+    """Plain text. ``source`` names the file (``path#k`` for the k-th separated piece,
+    ``path[a:b]`` for characters a to b of a chunk split); ``doc_id`` is a content hash, the
+    document's identity for the held-out split. ``ends``: the text ends its file (or separated
+    piece), so ``[EOS]`` follows it; a chunk cut off before the end gets none."""
 
     source: str
     text: str
+    ends: bool = True
     doc_id: str = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
@@ -132,7 +144,7 @@ def encode_document(
     if isinstance(doc, TextDocument):
         if tokenizer.eos_id is None:
             raise ValueError("the tokenizer has no [EOS] token to end text documents with")
-        ids = tokenizer.encode_ordinary(doc.text) + [tokenizer.eos_id]
+        ids = tokenizer.encode_ordinary(doc.text) + ([tokenizer.eos_id] if doc.ends else [])
         return np.asarray(ids, np.int32), np.ones(len(ids), bool)
     segments, spans = assistant_output_spans(doc)
     per_segment = [tokenizer.encode_segments([s]) for s in segments]
@@ -149,7 +161,8 @@ def _is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
+def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """The files ``paths`` stand for (a directory: its data files, recursively, sorted)."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -161,7 +174,7 @@ def _expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"training data path {path} does not exist")
+            raise FileNotFoundError(f"data path {path} does not exist")
     return files
 
 
@@ -241,7 +254,7 @@ def load_documents(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     docs: list[Document] = []
-    for path in _expand(paths):
+    for path in data_files(paths):
         if path.suffix == CHAT_SUFFIX:
             docs.extend(_chat_documents(path))
         else:
@@ -260,6 +273,7 @@ class DataConfig:
     ``process_index``: each process gets its ``batch_size`` rows of every global batch of
     ``num_processes * batch_size`` rows. ``packing_bins``: rows the first-fit packer fills at
     once (more bins, less padding). ``doc_separator``: split text files into documents.
+    ``holdout_by`` / ``chunk_chars``: how the held-out split is made (the module docstring).
     """
 
     paths: tuple[str, ...]
@@ -273,6 +287,8 @@ class DataConfig:
     process_index: int = 0
     doc_separator: str | None = None
     packing_bins: int = 64
+    holdout_by: str = "auto"
+    chunk_chars: int = 2048
 
     def __post_init__(self):
         paths = [self.paths] if isinstance(self.paths, (str, os.PathLike)) else self.paths
@@ -296,27 +312,139 @@ class DataConfig:
             problems.append(f"packing_bins {self.packing_bins} < 1")
         if self.doc_separator == "":
             problems.append("doc_separator is empty")
+        if self.holdout_by not in HOLDOUT_UNITS:
+            problems.append(f"holdout_by {self.holdout_by!r} is not one of {list(HOLDOUT_UNITS)}")
+        if self.chunk_chars < 1:
+            problems.append(f"chunk_chars {self.chunk_chars} < 1")
         if problems:
             raise ValueError("DataConfig: " + "; ".join(problems))
 
 
 def is_heldout(doc: Document, seed: int, holdout_fraction: float) -> bool:
-    """Whether ``doc`` belongs to the held-out split (a hash of seed and content)."""
+    """Whether ``doc`` belongs to the document-level held-out split (a hash of seed and content)."""
     digest = hashlib.sha256(f"{seed}\0{doc.doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") < holdout_fraction * 2.0**64
+
+
+def _chunk_cuts(text: str, size: int) -> list[int]:
+    """Chunk boundaries ``[0, ..., len(text)]``: each chunk ends at the first line end after
+    ``size`` characters, or at ``size`` characters when no line ends within ``2 * size``."""
+    cuts = [0]
+    while len(text) - cuts[-1] > size:
+        start = cuts[-1]
+        newline = text.find("\n", start + size, start + 2 * size)
+        cut = start + size if newline < 0 else newline + 1
+        if cut >= len(text):
+            break
+        cuts.append(cut)
+    return cuts + [len(text)]
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldoutSplit:
+    """The training and held-out documents of a config's data, and how they were split:
+    ``unit`` "document" or "chunk" (``units`` documents or chunks in all, ``held_out_units``
+    of them held out), or "none" (``holdout_fraction`` 0, or text too short to cut in two)."""
+
+    unit: str
+    train: list[Document]
+    heldout: list[Document]
+    units: int
+    held_out_units: int
+    chunk_chars: int
+
+    def line(self, fraction: float) -> str:
+        """One line for users: which split is used, and why."""
+        if self.unit == "document":
+            return (f"held-out split: by document, {self.held_out_units} of {self.units} documents held out "
+                    f"(holdout_fraction {fraction})")
+        if self.unit == "chunk":
+            return (f"held-out split: inside the text, {self.held_out_units} of {self.units} chunks of about "
+                    f"{self.chunk_chars:,} characters held out (holdout_fraction {fraction}; too few documents "
+                    "for a split by document)")
+        if fraction == 0:
+            return "no held-out split (holdout_fraction 0): training without evaluation"
+        return (f"no held-out split: the data is {self.units} chunk of at most about {self.chunk_chars:,} "
+                "characters, too little to hold any out; training without evaluation")
+
+
+def _split_by_chunk(cfg: DataConfig, docs: list[Document]) -> HoldoutSplit:
+    pieces = []  # (document index, start, stop); a transcript is one piece
+    for i, doc in enumerate(docs):
+        if isinstance(doc, TextDocument):
+            cuts = _chunk_cuts(doc.text, cfg.chunk_chars)
+            pieces.extend((i, a, b) for a, b in zip(cuts, cuts[1:]))
+        else:
+            pieces.append((i, 0, 0))
+
+    def content(piece) -> str:
+        i, a, b = piece
+        doc = docs[i]
+        return _content_id("text", doc.text[a:b]) if isinstance(doc, TextDocument) else doc.doc_id
+
+    count = round(cfg.holdout_fraction * len(pieces))
+    count = min(max(count, 1), len(pieces) - 1)
+    rank = sorted(range(len(pieces)), key=lambda k: (hashlib.sha256(
+        f"{cfg.holdout_seed}\0{content(pieces[k])}".encode()).digest(), k))
+    held = set(rank[:count])
+    train: list[Document] = []
+    heldout: list[Document] = []
+    k = 0
+    while k < len(pieces):  # each side's neighbouring chunks of a document, joined again
+        i, a, _ = pieces[k]
+        side = k in held
+        stop = k
+        while stop + 1 < len(pieces) and pieces[stop + 1][0] == i and (stop + 1 in held) == side:
+            stop += 1
+        doc, b = docs[i], pieces[stop][2]
+        if isinstance(doc, TextDocument):
+            whole = a == 0 and b == len(doc.text)
+            doc = doc if whole else TextDocument(f"{doc.source}[{a}:{b}]", doc.text[a:b],
+                                                 ends=doc.ends and b == len(doc.text))
+        (heldout if side else train).append(doc)
+        k = stop + 1
+    return HoldoutSplit("chunk", train, heldout, len(pieces), count, cfg.chunk_chars)
+
+
+def holdout_split(cfg: DataConfig) -> HoldoutSplit:
+    """``cfg``'s documents split into training and held-out ones."""
+    docs = load_documents(cfg.paths, doc_separator=cfg.doc_separator)
+    if cfg.holdout_fraction == 0:
+        return HoldoutSplit("none", docs, [], len(docs), 0, cfg.chunk_chars)
+    if cfg.holdout_by != "chunk":
+        held = [is_heldout(d, cfg.holdout_seed, cfg.holdout_fraction) for d in docs]
+        enough = cfg.holdout_fraction * len(docs) >= 1 and 0 < sum(held) < len(docs)
+        if cfg.holdout_by == "document" or enough:
+            return HoldoutSplit("document", [d for d, h in zip(docs, held) if not h],
+                                [d for d, h in zip(docs, held) if h], len(docs), sum(held), cfg.chunk_chars)
+    split = _split_by_chunk(cfg, docs)
+    if not split.heldout:  # a single chunk: nothing to hold out
+        return dataclasses.replace(split, unit="none")
+    return split
+
+
+def resolved_holdout(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with ``holdout_by="auto"`` replaced by the unit its data gets (so a run that
+    records it is split the same way whatever data is added to an evaluation later)."""
+    if cfg.holdout_by != "auto" or cfg.holdout_fraction == 0:
+        return cfg
+    unit = holdout_split(cfg).unit
+    return dataclasses.replace(cfg, holdout_by="document" if unit == "document" else "chunk")
 
 
 def split_documents(cfg: DataConfig, split: str) -> list[Document]:
     """The documents of ``split`` in load order; raises if the split is empty."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {list(SPLITS)}")
-    want_heldout = split == "heldout"
-    docs = [d for d in load_documents(cfg.paths, doc_separator=cfg.doc_separator)
-            if split == "all" or is_heldout(d, cfg.holdout_seed, cfg.holdout_fraction) == want_heldout]
+    if split == "all":
+        docs = load_documents(cfg.paths, doc_separator=cfg.doc_separator)
+    else:
+        parts = holdout_split(cfg)
+        docs = parts.heldout if split == "heldout" else parts.train
     if not docs:
         raise ValueError(
             f"the {split} split of {list(cfg.paths)} is empty (holdout_fraction="
-            f"{cfg.holdout_fraction}, holdout_seed={cfg.holdout_seed})"
+            f"{cfg.holdout_fraction}, holdout_seed={cfg.holdout_seed}, holdout_by={cfg.holdout_by!r})"
         )
     return docs
 

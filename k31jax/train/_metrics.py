@@ -1,12 +1,16 @@
 """Training metrics: one JSON line per logged step, TensorBoard event files (tensorboardX), a
-tqdm progress bar with tokens/s, loss and ETA, and `plot_metrics` for loss curves."""
+tqdm progress bar with tokens/s, loss and ETA (saying "compiling ..." while the first step
+compiles), and `plot_metrics` for loss curves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,31 @@ METRICS_FILE = "metrics.jsonl"
 def _scalar(value) -> float | None:
     arr = np.asarray(value)
     return float(arr) if arr.ndim == 0 else None
+
+
+@contextlib.contextmanager
+def compiling_note(bar: tqdm) -> Iterator[None]:
+    """While the body runs (a jitted step's first call: tracing and XLA compilation, minutes for
+    a training step on a small CPU), `bar` reads "compiling ... N s", updated every second
+    from a helper thread, since the bar itself cannot move until the step returns."""
+    if bar.disable:
+        yield
+        return
+    previous, start, done = bar.desc, time.perf_counter(), threading.Event()
+
+    def tick():
+        while not done.wait(1.0):
+            bar.set_description_str(f"compiling ... {time.perf_counter() - start:.0f} s")
+
+    bar.set_description_str("compiling ...")
+    ticker = threading.Thread(target=tick, name="k31jax-compiling-note", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.set_description_str(previous)
 
 
 class MetricsLog:
@@ -55,6 +84,10 @@ class MetricsLog:
                         self._tb.add_scalar(f"{key}/{i}", v, step)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+
+    def compiling(self) -> contextlib.AbstractContextManager[None]:
+        """`compiling_note` on this log's progress bar."""
+        return compiling_note(self._bar)
 
     def progress(self, steps: int, postfix: Mapping[str, float]) -> None:
         self._bar.update(steps)

@@ -27,21 +27,22 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 from ..chat import TokenizerBase
 from ..config import ModelConfig
 from ..conversion import convert, write_synthetic_release
 from ..distributed import shard_model
-from ..generate import load_model
+from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
 from ..generate._loading import load_tokenizer, tokenizer_dir
 from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
 from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
-from ._data import DataConfig, make_dataset, split_documents
+from ._data import DataConfig, HoldoutSplit, holdout_split, make_dataset, resolved_holdout
 from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
-from ._metrics import MetricsLog
+from ._metrics import MetricsLog, compiling_note
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
                      param_labels)
 from ._steps import StepSettings, eval_step, overlay, partition, train_step
@@ -49,6 +50,7 @@ from ._steps import StepSettings, eval_step, overlay, partition, train_step
 RUN_FILE = "run.json"
 MODEL_CONFIG_FILE = "model_config.json"
 CHECKPOINTS = "checkpoints"
+FINAL = "final"  # the finished run's export: final/release (safetensors), final/orbax (k31jax Orbax)
 SIGTERM_EXIT = 143  # 128 + SIGTERM, after the checkpoint is written
 
 # One jit object per step for the process: every Trainer (and `evaluate` call) with the same
@@ -105,11 +107,16 @@ def is_run(path: str | os.PathLike) -> bool:
     return (Path(path) / RUN_FILE).exists() and (Path(path) / CHECKPOINTS).is_dir()
 
 
+def read_run(path: str | os.PathLike) -> TrainConfig:
+    """The `TrainConfig` a run folder records."""
+    return TrainConfig.from_json(json.loads((Path(path) / RUN_FILE).read_text()))
+
+
 def _manager(out: Path, keep: int | None = None, *, read_only: bool = False) -> ocp.CheckpointManager:
     # read_only: restore only; Orbax's own read_only mode logs warnings on every use
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not read_only,
                                            create=not read_only)
-    return ocp.CheckpointManager(out / CHECKPOINTS, options=options,
+    return ocp.CheckpointManager(out.absolute() / CHECKPOINTS, options=options,  # Orbax takes absolute paths only
                                  item_names=("params", "opt_state", "trainable", "data"))
 
 
@@ -120,7 +127,7 @@ def _abstract(tree):
 def load_run(path: str | os.PathLike, step: int | None = None):
     """(model, tokenizer, step) from a training run's `out` folder (its newest checkpoint)."""
     out = Path(path)
-    run = TrainConfig.from_json(json.loads((out / RUN_FILE).read_text()))
+    run = read_run(out)
     model_cfg = config_from_json(json.loads((out / MODEL_CONFIG_FILE).read_text()))
     mgr = _manager(out, read_only=True)
     step = mgr.latest_step() if step is None else step
@@ -141,13 +148,31 @@ def load_run(path: str | os.PathLike, step: int | None = None):
     return model, load_tokenizer(run.tokenizer, model_cfg.vocab_size), step
 
 
+def is_embedded(ckpt: str | os.PathLike | None) -> bool:
+    """Whether `ckpt` names the shipped embedded model: its preset name (when no folder of
+    that name is in the way) or its folder."""
+    if ckpt is None:
+        return False
+    path = Path(ckpt)
+    return (str(ckpt) == DEFAULT_MODEL and not path.exists()) or (
+        path.is_dir() and path.resolve() == embedded_model_dir().resolve())
+
+
+def base_model(init: str | os.PathLike) -> str:
+    """The identity a run started from `init` records as its `model`: "embedded" for the
+    shipped model, an earlier run's own `model`, else the checkpoint folder."""
+    if is_embedded(init):
+        return DEFAULT_MODEL
+    return read_run(init).model if is_run(init) else str(init)
+
+
 def load_any(ckpt: str | os.PathLike | None, *, tokenizer: str | None = None):
     """(model, tokenizer, description) from a training run, a converted Orbax checkpoint, a
-    release safetensors folder, or (None) the embedded default model."""
+    release safetensors folder, or (None or "embedded") the embedded default model."""
     if ckpt is not None and is_run(ckpt):
         model, tok, step = load_run(ckpt)
         return model, tok, f"{ckpt} (step {step})"
-    loaded = load_model(ckpt, tokenizer=tokenizer)
+    loaded = load_model(None if is_embedded(ckpt) else ckpt, tokenizer=tokenizer)
     return loaded.model, loaded.tokenizer, loaded.source
 
 
@@ -157,9 +182,11 @@ def _tokenizer_dir(cfg: TrainConfig) -> str | None:
     release's files); None: byte-level."""
     if cfg.tokenizer is not None or cfg.init is None:
         return cfg.tokenizer
+    if is_embedded(cfg.init):
+        return str(embedded_model_dir())
     init = Path(cfg.init)
     if is_run(init):
-        return TrainConfig.from_json(json.loads((init / RUN_FILE).read_text())).tokenizer
+        return read_run(init).tokenizer
     folder = tokenizer_dir(init)
     return None if folder is None else str(folder)
 
@@ -189,21 +216,35 @@ class EvalResult:
 
 
 def evaluate(model: K31ForCausalLM, tokenizer: TokenizerBase, data: DataConfig, *, max_batches: int | None = None,
-             backends: Backends | None = None, split: str = "heldout") -> EvalResult:
+             backends: Backends | None = None, split: str = "heldout", progress: bool = False) -> EvalResult:
     """Held-out loss and bits per byte of `model` over `data`'s `split` (every batch, or the
-    first `max_batches`)."""
+    first `max_batches`). `progress`: a tqdm bar on stderr ("compiling ..." during the first
+    batch, then batches and evaluated tokens per second)."""
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     settings = StepSettings(backends=backends or Backends())
     step = _EVAL_STEP
     sums = dict(nll_sum=0.0, tokens=0.0, correct=0.0, bytes=0.0)
     batches = 0
-    for batch in make_dataset(data, tokenizer, split):
-        if max_batches is not None and batches >= max_batches:
-            break
-        out = jax.device_get(step(graphdef, settings, params, {k: jnp.asarray(v) for k, v in batch.items()}))
-        sums = {k: sums[k] + float(out[k]) for k in sums}
-        batches += 1
+    bar = tqdm(total=max_batches, desc=f"eval ({split})", unit="batch", dynamic_ncols=True, disable=not progress)
+    measured_tokens, measured_since = 0.0, 0.0  # tokens/s after the first (compiling) batch
+    with bar:
+        for batch in make_dataset(data, tokenizer, split):
+            if max_batches is not None and batches >= max_batches:
+                break
+            arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+            if batches == 0:
+                with compiling_note(bar):
+                    out = jax.device_get(step(graphdef, settings, params, arrays))
+                measured_since = time.perf_counter()
+            else:
+                out = jax.device_get(step(graphdef, settings, params, arrays))
+                measured_tokens += float(out["tokens"])
+                bar.set_postfix({"tok/s": f"{measured_tokens / (time.perf_counter() - measured_since):.4g}"},
+                                refresh=False)
+            sums = {k: sums[k] + float(out[k]) for k in sums}
+            batches += 1
+            bar.update(1)
     if not sums["tokens"]:
         raise ValueError(f"the {split} split of {list(data.paths)} has no trained tokens")
     return EvalResult(loss=sums["nll_sum"] / sums["tokens"],
@@ -225,8 +266,12 @@ class Trainer:
     """Build everything for `cfg`; `run()` trains to `cfg.steps` (resuming when asked)."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, progress: bool = True):
-        # the run records (and its export carries) the tokenizer it was trained with
-        cfg = dataclasses.replace(cfg, tokenizer=_tokenizer_dir(cfg))
+        # the run records (and its export carries) the tokenizer it was trained with, the
+        # base model it started from (its loaders take that model's defaults) and how its
+        # held-out split was made
+        cfg = dataclasses.replace(cfg, tokenizer=_tokenizer_dir(cfg), data=resolved_holdout(cfg.data))
+        if cfg.init is not None:
+            cfg = dataclasses.replace(cfg, model=base_model(cfg.init))
         self.cfg = cfg
         self.out = Path(cfg.out)
         self._check_out(resume)
@@ -263,9 +308,8 @@ class Trainer:
         if jax.process_count() > 1 and self.mesh is None:
             raise ValueError("multi-process training needs a --mesh spanning every process's devices")
         self.data_iter = iter(make_dataset(data, self.tokenizer, "train"))
-        self.evaluates = cfg.data.holdout_fraction > 0  # 0: no held-out split, no evaluation
-        if self.evaluates:
-            split_documents(cfg.data, "heldout")  # fail now, not after training, if it is empty
+        self.holdout: HoldoutSplit = holdout_split(cfg.data)
+        self.evaluates = bool(self.holdout.heldout)  # none: train without evaluation
         self.step = 0
         self.manager = _manager(self.out, cfg.keep)
         if resume:
@@ -281,11 +325,14 @@ class Trainer:
         if resume:
             if not run_file.exists():
                 raise FileNotFoundError(f"--resume: {self.out} holds no training run ({RUN_FILE} missing)")
-            saved = TrainConfig.from_json(json.loads(run_file.read_text()))
+            saved = read_run(self.out)
+            saved = dataclasses.replace(saved, data=resolved_holdout(saved.data))  # runs before it was recorded
             keep_same = ("data", "optim", "model", "init", "dtype", "qat", "mxfp8_activations", "grad_accum",
                          "lora_rank", "lora_alpha", "seed", "vocab_chunk", "z_loss", "bias_update_rate",
                          "balance_loss", "distill_indexer")
-            changed = [f for f in keep_same if getattr(saved, f) != getattr(self.cfg, f)]
+            # with `init` the model is the init's (runs before the base was recorded say "tiny")
+            changed = [f for f in keep_same if getattr(saved, f) != getattr(self.cfg, f)
+                       and not (f == "model" and saved.init is not None)]
             if changed:
                 raise ValueError(f"--resume: {self.out} was trained with other settings for {changed}; resume "
                                  "with the same ones (only --steps, saving, logging and eval may change)")
@@ -366,8 +413,10 @@ class Trainer:
         try:
             with activate(self.mesh, cfg.rules) if self.mesh is not None else contextlib.nullcontext():
                 t0, since = time.perf_counter(), 0
+                first = self.step
                 while self.step < cfg.steps and self._stop_signal is None:
-                    (metrics,) = self.train_steps(1)
+                    with log.compiling() if self.step == first else contextlib.nullcontext():
+                        (metrics,) = self.train_steps(1)
                     since += 1
                     last = dict(metrics, learning_rate=float(schedule(self.step - 1)))
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps:
@@ -381,7 +430,7 @@ class Trainer:
                         t0, since = time.perf_counter(), 0
                     if (self.evaluates and cfg.eval_every and self.step % cfg.eval_every == 0
                             and self.step < cfg.steps):
-                        self._held_out(log)
+                        self._held_out(log, progress)
                     if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                         self.save()
                 interrupted = self._stop_signal is not None
@@ -391,19 +440,19 @@ class Trainer:
                 final = None
                 if not interrupted:
                     if self.evaluates:
-                        evaluation = self._held_out(log)
+                        evaluation = self._held_out(log, progress)
                     if export:
-                        final = self.export(self.out / "final")
+                        final = self.export(self.out / FINAL)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             log.close()
         return TrainResult(self.step, interrupted, last, evaluation, final)
 
-    def _held_out(self, log: MetricsLog) -> EvalResult:
+    def _held_out(self, log: MetricsLog, progress: bool) -> EvalResult:
         """Held-out loss (and, distilling, the indexers' recall at `index_topk`), logged."""
         cfg, model = self.cfg, self.model()
-        ev = evaluate(model, self.tokenizer, cfg.data, max_batches=cfg.eval_batches)
+        ev = evaluate(model, self.tokenizer, cfg.data, max_batches=cfg.eval_batches, progress=progress)
         row = {"eval_loss": ev.loss, "eval_bits_per_byte": ev.bits_per_byte}
         if cfg.distill_indexer and self.model_config.index_topk < cfg.data.seq_len:
             rec = indexer_recall(model, self.tokenizer, cfg.data, top_k=self.model_config.index_topk,
@@ -443,3 +492,45 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, expo
     """Train (or resume) the run `cfg` describes; see `Trainer`."""
     with Trainer(cfg, resume=resume) as trainer:
         return trainer.run(progress=progress, export=export)
+
+
+def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: OptimConfig | None = None,
+                        qat: bool = True, master_dtype: str = "float32", remat: str = "full", lora_rank: int = 0,
+                        lora_alpha: float = 16.0, micro_batch: int = 1, grad_accum: int = 1, seq_len: int = 4096,
+                        vocab_chunk: int = 4096, backends: Backends | None = None):
+    """`(jitted step, arguments)` of the trainer's step for `model_config` on `mesh`, from
+    abstract shapes only: `jitted.lower(*arguments)` is the program `Trainer` runs (float
+    master experts, the trainable split or LoRA adapters, the optimizer state; params,
+    optimizer state and trainable donated). For ahead-of-time compilation (`k31jax.aot`)."""
+    from ..distributed import abstract_state
+
+    optim = optim or OptimConfig(trainable="experts")
+    cfg = model_config.replace(expert_weights="bf16", dtype=master_dtype, expert_qat=qat and bool(model_config.moe_layers))
+    graphdef, state = abstract_state(cfg, mesh, rules)
+    if lora_rank:
+        trainable = jax.eval_shape(lambda: init_lora(state, DEFAULT_LORA_TARGETS, lora_rank, lora_alpha,
+                                                     jax.random.key(0)))
+        params, tx = nnx.to_pure_dict(state), make_lora_optimizer(optim)
+    else:
+        params, trainable, tx = split_for_training(state, optim)
+    replicated = NamedSharding(mesh, P())
+    # an optimizer-state leaf that mirrors a trained leaf (same path suffix and shape: moments,
+    # momenta) is split like it; the rest (counters, scalars) is replicated
+    leaves = {tuple(str(k) for k in path): a for path, a in jax.tree_util.tree_flatten_with_path(trainable)[0]}
+
+    def placed(path, a):
+        keys = tuple(str(k) for k in path)
+        for n in range(len(keys)):
+            twin = leaves.get(keys[n:])
+            if twin is not None and twin.shape == a.shape:
+                return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=twin.sharding)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+
+    opt_state = jax.tree_util.tree_map_with_path(placed, jax.eval_shape(tx.init, trainable))
+    shape = (grad_accum, micro_batch, seq_len)
+    dtypes = dict(tokens=jnp.int32, targets=jnp.int32, loss_mask=jnp.float32, target_bytes=jnp.int32,
+                  segment_ids=jnp.int32, positions=jnp.int32)
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=replicated) for k, dt in dtypes.items()}
+    settings = StepSettings(backends=backends or Backends(), remat=remat, vocab_chunk=vocab_chunk,
+                            lora_scale=lora_alpha / lora_rank if lora_rank else None)
+    return _TRAIN_STEP, (graphdef, tx, settings, params, opt_state, trainable, batch)

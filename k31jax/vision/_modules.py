@@ -23,6 +23,7 @@ from ..nn._param import constant, normal
 from ..sharding import constrain
 from . import _ops
 from ._layout import VisionInputs
+from ._preprocess import ImageProcessorConfig
 
 
 class VisionBlock(nnx.Module):
@@ -93,11 +94,14 @@ class VisionProjector(nnx.Module):
 
 class VisionModel(nnx.Module):
     """Tower + 2x2 merge + projector: `model(inputs) -> [M, text_hidden_size]`, one row per
-    `<|media_pad|>` token, images in packing order (`features` also returns the stages)."""
+    `<|media_pad|>` token, images in packing order (`features` also returns the stages).
+    `processor`: the image processor's settings for this tower (the K3 values at its patch
+    and merge sizes; a checkpoint's `preprocessor_config.json` replaces them when loaded)."""
 
     def __init__(self, cfg: VisionConfig, dtype="bfloat16", *, rngs: nnx.Rngs, attention_block: int = 1024):
         self.tower = VisionTower(cfg, dtype, rngs=rngs, attention_block=attention_block)
         self.projector = VisionProjector(cfg, dtype, rngs=rngs)
+        self.processor = ImageProcessorConfig(patch_size=cfg.patch_size, merge_kernel_size=cfg.merge_kernel_size[0])
 
     def features(self, inputs: VisionInputs) -> dict[str, jax.Array]:
         tower = self.tower(inputs)

@@ -5,12 +5,18 @@ Pillow decodes (JPEG, PNG, WebP; EXIF orientation applied) and resizes (bicubic,
 release processor does: re-implementing PIL's resampling would only add a source of drift).
 An image that is too large, too small, corrupt or of another type raises `ImageError`, whose
 message names the limit or the accepted formats.
+
+A release folder's `preprocessor_config.json` holds the processor's settings under
+`media_proc_cfg`; `read_processor_config` reads and checks them (a bad value is a
+`ConfigError` naming the file and the field). Its video settings are not read (K3 takes no
+video).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 import warnings
@@ -19,7 +25,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ..config import ConfigError, VisionConfig
+
 FORMATS = ("JPEG", "PNG", "WEBP")
+PROCESSOR_FILE = "preprocessor_config.json"
 
 
 class ImageError(ValueError):
@@ -44,6 +53,63 @@ class ImageProcessorConfig:
     @property
     def pad_multiple(self) -> int:
         return self.patch_size * self.merge_kernel_size
+
+
+def _positive_int(where: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: expected an integer >= 1, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _three_numbers(where: str, value, *, positive: bool) -> tuple[float, float, float]:
+    numbers = value if isinstance(value, list) and len(value) == 3 else None
+    if numbers is None or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                              or (positive and x <= 0) for x in numbers):
+        want = "positive" if positive else "finite"
+        raise ConfigError(f"{where}: expected a list of 3 {want} numbers (R, G, B), got {value!r}")
+    return tuple(float(x) for x in numbers)
+
+
+def read_processor_config(path: str | os.PathLike, vision: VisionConfig) -> ImageProcessorConfig:
+    """The `media_proc_cfg` of a `preprocessor_config.json` (vision.md §4), checked: positive
+    integer sizes and limits, 3-channel mean and std (std > 0), the patch and merge sizes of
+    the `vision` tower, and no `fixed_output_tokens` (a fixed token count per image is not
+    this processor's rule). Missing keys keep the tower's patch and merge sizes and the K3
+    values of the rest."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as JSON ({e})") from None
+    cfg = raw.get("media_proc_cfg") if isinstance(raw, dict) else None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected an object with a 'media_proc_cfg' object (the K3 image processor's "
+                          "settings)")
+    field = lambda key: f"{path}: media_proc_cfg.{key}"  # noqa: E731
+    out = {}
+    for key in ("patch_size", "in_patch_limit", "patch_limit_on_one_side"):
+        if key in cfg:
+            out[key] = _positive_int(field(key), cfg[key])
+    if "merge_kernel_size" in cfg:
+        merge = cfg["merge_kernel_size"]
+        sides = merge if isinstance(merge, list) and len(merge) == 2 else [merge]
+        if len(set(map(repr, sides))) != 1:
+            raise ConfigError(f"{field('merge_kernel_size')}: expected one size (square blocks), got {merge!r}")
+        out["merge_kernel_size"] = _positive_int(field("merge_kernel_size"), sides[0])
+    for key in ("image_mean", "image_std"):
+        if key in cfg:
+            out[key] = _three_numbers(field(key), cfg[key], positive=key == "image_std")
+    if cfg.get("fixed_output_tokens") is not None:
+        raise ConfigError(f"{field('fixed_output_tokens')}: {cfg['fixed_output_tokens']!r}, expected null (the K3 "
+                          "processor's token count follows the image size)")
+    if out.setdefault("patch_size", vision.patch_size) != vision.patch_size:
+        raise ConfigError(f"{field('patch_size')}: {out['patch_size']} disagrees with the checkpoint's "
+                          f"vision_config.patch_size {vision.patch_size}")
+    merge = out.setdefault("merge_kernel_size", vision.merge_kernel_size[0])
+    if (merge, merge) != vision.merge_kernel_size:
+        raise ConfigError(f"{field('merge_kernel_size')}: {merge} disagrees with the checkpoint's "
+                          f"vision_config.merge_kernel_size {list(vision.merge_kernel_size)}")
+    return ImageProcessorConfig(**out)
 
 
 @dataclasses.dataclass(frozen=True)

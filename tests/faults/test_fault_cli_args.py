@@ -16,7 +16,7 @@ def no_model(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(_generate, "load_model", boom)
+    monkeypatch.setattr(_generate, "load_generation_model", boom)
 
 
 GENERATE_CASES = [
@@ -92,7 +92,7 @@ def test_a_runtime_error_is_exit_1(monkeypatch, capsys):
     def unreadable(*args, **kwargs):
         raise PermissionError(13, "Permission denied", "/ckpt/_CHECKPOINT_METADATA")
 
-    monkeypatch.setattr(_generate, "load_model", unreadable)
+    monkeypatch.setattr(_generate, "load_generation_model", unreadable)
     code, err = run_bare(capsys, "generate", "--prompt", "hi")
     assert code == 1
     one_error(err, "generate", "Permission denied: /ckpt/_CHECKPOINT_METADATA")

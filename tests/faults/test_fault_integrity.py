@@ -180,4 +180,4 @@ def test_verify_a_folder_that_is_not_a_checkpoint(tmp_path, release, capsys):
     one_error(err, "verify", f"{tmp_path / 'absent'}: no such checkpoint folder")
     code, err = run(capsys, "verify", release)
     assert code == 1
-    one_error(err, "verify", f"{release / MANIFEST_FILE}: missing")
+    one_error(err, "verify", f"{release}: not a k31jax checkpoint", MANIFEST_FILE)

@@ -1,0 +1,74 @@
+"""`k31jax compile`: the engine's programs (and the trainer's step) compiled for a TPU slice by XLA's TPU compiler, on
+any host (`k31jax.aot`; the `tpu` extra brings libtpu), with the compiler's memory beside the
+planner's, traffic with loop trip counts, collectives and the largest buffers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+
+from ..config import preset_names
+from ..distributed import backends_started
+from ._common import UsageError, check_int, install
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compile", help="compile the decode / prefill program for a TPU slice (no TPU needed) "
+                                       "and report its memory and traffic")
+    p.add_argument("--config", default="k31_pro", help=f"preset: {', '.join(preset_names())}")
+    p.add_argument("--topology", default="v5p:4x4x4",
+                   help="libtpu topology (v5p:4x4x4, tpu7x:2x2x2, v5e:4x4, v6e:4x4, v4:2x2x2) or a named "
+                        "slice (v5p-128 = 64 chips, tpu7x-64, v5e-16)")
+    p.add_argument("--mesh", default="expert=8,tensor=8", help="mesh axes over the slice's devices")
+    p.add_argument("--rules", default=None, help="rule table (default: the one for the mesh)")
+    p.add_argument("--step", default="decode", choices=["decode", "prefill", "train"],
+                   help="the engine's decode step (donated cache), one prefill chunk, or the trainer's step")
+    p.add_argument("--batch", type=int, default=8, help="sequences (train: rows per micro-batch)")
+    p.add_argument("--context", type=int, default=4096, help="cache length in tokens")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill call width (--step prefill)")
+    t = p.add_argument_group("--step train (the flags of k31jax train)")
+    t.add_argument("--qat", action=argparse.BooleanOptionalAction, default=True, help="MXFP4 fake-quant of the experts")
+    t.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: train --trainable)")
+    t.add_argument("--remat", default="full", choices=["full", "dots", "none"])
+    t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    t.add_argument("--trainable", default="experts", help="trained subset (experts, all, indexer, no_embed)")
+    t.add_argument("--master-dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--seq-len", type=int, default=4096, help="tokens per row")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    p.add_argument("--dump", default=None, help="write the optimized HLO text into this folder")
+    install(p, "compile", _run, validate=_check)
+
+
+def _check(args) -> None:
+    if args.config not in preset_names():
+        raise UsageError(f"--config {args.config!r}: expected one of {', '.join(preset_names())}")
+    for flag in ("batch", "context", "chunk", "seq_len", "grad_accum"):
+        check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
+    check_int("--lora-rank", args.lora_rank, low=0)
+
+
+def _run(args) -> int:
+    from .. import aot
+
+    if not aot.libtpu_available():
+        raise UsageError("the TPU compiler is not installed: pip install 'k31jax[tpu]' (or "
+                         "bash scripts/install.sh --tpu), which brings libtpu")
+    if not backends_started():  # compile on the host's CPU; never try to drive a TPU
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        train = aot.TrainSettings(qat=args.qat, lora_rank=args.lora_rank, remat=args.remat, optimizer=args.optimizer,
+                                  trainable=args.trainable, master_dtype=args.master_dtype, seq_len=args.seq_len,
+                                  grad_accum=args.grad_accum)
+        report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,
+                                     context=args.context, chunk=args.chunk, rules=args.rules, dump=args.dump,
+                                     train=train)
+    except aot.CompileError as exc:
+        raise UsageError(str(exc)) from None
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1) + "\n")
+    return 0

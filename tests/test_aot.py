@@ -1,0 +1,142 @@
+"""Ahead-of-time compilation for a TPU slice with no TPU (`k31jax.aot`, `k31jax compile`).
+
+The HLO reader is checked on XLA:CPU programs whose costs are known by construction (a scan
+of matmuls: XLA's own total counts the loop body once). The TPU compiles need libtpu (the
+`tpu` extra, installed in CI) and are skipped with the reason where it cannot load."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k31jax import aot
+from k31jax.aot import analyse, topology_name
+
+needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not installed (pip install 'k31jax[tpu]')")
+
+
+def test_loop_trip_counts_multiply_flops_and_bytes():
+    n, d, trips = 8, 64, 7
+
+    def f(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x = jnp.ones((n, d), jnp.float32)
+    compiled = jax.jit(f).lower(x, jnp.ones((trips, d, d), jnp.float32)).compile()
+    report = analyse(compiled.as_text())
+    assert [t for _, t, _ in report.loops] == [trips]
+    assert report.flops == trips * 2 * n * d * d
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert report.flops > 5 * xla["flops"]  # XLA's own total counts the body once
+    # every trip reads its weight slice: at least the whole stack once
+    assert report.hbm_bytes >= trips * d * d * 4
+
+
+def test_a_data_dependent_loop_is_counted_as_told():
+    def f(x, n):
+        with jax.named_scope("my_loop"):
+            return jax.lax.fori_loop(0, n, lambda i, h: h @ h, x)
+
+    text = jax.jit(f).lower(jnp.ones((16, 16)), 3).compile().as_text()
+    once, thrice = analyse(text), analyse(text, {"my_loop": 3})
+    assert once.dynamic_loops and once.loops[0][1] is None
+    assert thrice.flops == 3 * once.flops == 3 * 2 * 16 ** 3
+
+
+@pytest.mark.parametrize("name,want", [("v5p-128", "v5p:4x4x4"), ("v5e-16", "v5e:4x4"), ("tpu7x-64", "tpu7x:2x4x4"),
+                                       ("v6e:2x4", "v6e:2x4")])
+def test_named_slices_become_topologies(name, want):
+    assert topology_name(name) == want
+
+
+def test_a_bad_slice_name_is_one_clear_error():
+    with pytest.raises(aot.CompileError, match="v9x-8.*expected a libtpu topology"):
+        topology_name("v9x-8")
+
+
+def test_expected_local_experts():
+    from k31jax import ModelConfig
+
+    cfg = ModelConfig.preset("k31_pro")
+    # 8 tokens x top-16 of 896 experts, 8 expert shards: ~15 of each shard's 112
+    assert 14.5 < aot.expected_local_experts(cfg, 8, 8) < 15.5
+    assert aot.expected_local_experts(cfg, 1 << 16, 8) == pytest.approx(112)
+
+
+def test_compile_without_libtpu_says_what_to_install(monkeypatch, capsys):
+    from k31jax.cli import main
+
+    monkeypatch.setattr(aot, "libtpu_available", lambda: False)
+    assert main(["compile", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'k31jax[tpu]'" in err
+
+
+def _check_report(report: dict, step: str):
+    m, p, h = report["memory"], report["planner"], report["hlo"]
+    assert report["devices"] == 4 and report["fits"] and report["compile_seconds"] > 0
+    # the engine's programs donate the cache (and the decode sampler): the compiler aliases all
+    # of it (TPU tiles pad small arrays, so per-device bytes are at least the planner's)
+    assert m["aliased"] >= p["donated"] >= p["cache"] > 0
+    assert m["arguments"] >= p["weights"] + p["cache"] + p["inputs"]
+    assert h["flops"] > 0 and h["hbm_bytes"] > 0 and h["collectives"]
+    assert report["step"] == step
+
+
+@needs_libtpu
+def test_k31jax_compile_decode_for_a_tpu_slice(tmp_path, capsys):
+    import json
+
+    from k31jax.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=2,tensor=2", "--batch", "2",
+                 "--context", "256", "--json", str(out), "--dump", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "temporaries" in text and "planner floor" in text and "fits" in text and "collectives" in text
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 2 and (tmp_path / "tiny.decode.hlo.txt").read_text().startswith("HloModule")
+    _check_report(report, "decode")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_no_float_copy_of_a_layers_experts_at_decode(step, tmp_path):
+    """Expert dims no other tensor has (12 local experts, 64 wide, 96 latent): a float
+    `[12, 64, 96]` / `[12, 96, 64]` is a whole layer's local experts decoded. Decode never makes
+    one (the selected form decodes one expert at a time); prefill's ragged_dot reads whole layers."""
+    from k31jax import ModelConfig
+
+    cfg = ModelConfig.preset("tiny").replace(num_experts=24, moe_intermediate_size=128, routed_expert_hidden_size=96,
+                                             expert_weights="mxfp4")
+    report = aot.compile_program(cfg, "v5e:2x2", "expert=2,tensor=2", step=step, batch=2, context=128, chunk=32,
+                                 dump=tmp_path)
+    _check_report(report.as_dict(), step)
+    text = (tmp_path / f"model.{step}.hlo.txt").read_text()
+    whole = re.findall(r"(?:bf16|f32)\[(?:12,64,96|12,96,64)\]", text)
+    assert bool(whole) == (step == "prefill")
+    # decode: the selected-experts loops, counted at the expected number of chosen experts
+    assert bool(report.hlo.dynamic_loops) == (step == "decode")
+    assert report.floor_note.startswith("experts: all local" if step == "prefill" else "experts: the")
+
+
+@needs_libtpu
+def test_k31jax_compile_train_step(tmp_path, capsys):
+    """The trainer's QAT step (float master experts, AdamW over the experts): it compiles, the
+    updated optimizer state and trained leaves are aliased, and the planner plans it."""
+    import json
+
+    from k31jax.cli import main
+
+    out = tmp_path / "train.json"
+    assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=4", "--step", "train",
+                 "--batch", "1", "--seq-len", "64", "--remat", "none", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    m, p = report["memory"], report["planner"]
+    assert report["step"] == "train" and report["fits"] and report["tokens"] == 64
+    assert p["donated"] > p["updated"] > 0 and m["aliased"] >= p["updated"]
+    assert m["arguments"] >= p["donated"] + p["inputs"]
+    assert p["total"] > p["donated"]  # the planner's full plan: state plus activations
+    assert report["hlo"]["flops"] > 0 and "train of tiny" in capsys.readouterr().out
