@@ -25,21 +25,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..distributed import abstract_cache, abstract_state, cache_shardings, plan_memory, plan_training
+from ..distributed import DEVICES, abstract_cache, abstract_state, cache_shardings, plan_memory, plan_training
 from ..generate import abstract_decode_inputs, engine_program
 from ..nn import expert_words
 from ..ops import Backends
-from ..sharding import activate, get_rules, parse_mesh, rules_for_mesh
+from ..sharding import activate, get_rules, logical_to_spec, parse_mesh, rules_for_mesh, rules_name, shard_factor
 from ..train import OptimConfig, abstract_train_step
 from ._hlo import HloReport, analyse
 
 GB = 1e9
 STEPS = ("decode", "prefill", "train")
 # HBM per device (one JAX device: a chip, or one of the two TensorCores a TPU7x chip shows as
-# devices), in the planner's units (`distributed.DEVICES`, GB = 1e9), from the vendor's spec
-# sheets: the topology description carries no memory size.
-HBM_PER_DEVICE = {"TPU v4": 32 * GB, "TPU v5 lite": 16 * GB, "TPU v5": 95 * GB, "TPU v6 lite": 32 * GB,
-                  "TPU7x": 96 * GB}
+# devices), in the planner's units (GB = 1e9): the planner's own entries where it has the chip
+# (`distributed.DEVICES`), else the vendor's spec sheets; the topology description carries no
+# memory size.
+HBM_PER_DEVICE = {"TPU v4": 32 * GB, "TPU v5 lite": 16 * GB, "TPU v5": DEVICES["v5p"][1],
+                  "TPU v6 lite": DEVICES["v6e"][1], "TPU7x": 96 * GB}
 # Named slices count TensorCores: two per chip on these generations.
 _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "tpu7x": 2, "v5e": 1, "v6e": 1}
 _TWO_D = ("v5e", "v6e")
@@ -292,7 +293,7 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
                "activations": plan.attn_res + plan.peak_activations, "total": plan.total}
     floor, note = step_floor(cfg, plan, step, tokens, expert_shards)
     kind = devices[0].device_kind
-    return CompileReport(step, name, topology_name(topology), len(devices), kind, shape, _rules_label(rules),
+    return CompileReport(step, name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, context, tokens, lower_s, compile_s, memory, HBM_PER_DEVICE.get(kind, 0), planner,
                          hlo, xla, floor, note, _versions())
 
@@ -345,7 +346,7 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
                              rules=rules)
         planner.update(total=plan.total, activations=plan.total - donated)
     kind = devices[0].device_kind
-    return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, _rules_label(rules),
+    return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,
                          HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, _versions())
 
@@ -356,15 +357,9 @@ def _device_bytes(a: jax.ShapeDtypeStruct) -> int:
 
 
 def _expert_shards(cfg: ModelConfig, shape: dict, rules) -> int:
-    from ..sharding import logical_to_spec, shard_factor
-
     if not cfg.moe_layers:
         return 1
     spec = logical_to_spec(("expert",), (cfg.num_experts,), shape, rules)
     return shard_factor(spec, shape)
 
 
-def _rules_label(rules) -> str:
-    from ..sharding import RULE_TABLES
-
-    return next((n for n, t in RULE_TABLES.items() if t == rules), "custom")

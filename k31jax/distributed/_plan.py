@@ -22,8 +22,8 @@ from ..config import ModelConfig
 from ..nn import CACHE_AXES, MLAMixer, abstract_model
 from ..ops import make_ep_plan
 from ..quant import MXFP4Weight
-from ..sharding import (RULE_TABLES, Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh,
-                        rules_for_mesh, shard_factor)
+from ..sharding import (Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh,
+                        rules_for_mesh, rules_name, shard_factor)
 from ._placement import abstract_cache
 
 GB = 1e9
@@ -250,13 +250,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _rules_name(rules: Rules) -> str:
-    for name, table in RULE_TABLES.items():
-        if table == rules:
-            return name
-    return "custom"
-
-
 def plan_memory(
     config: ModelConfig | str,
     mesh: str | Mapping[str, int],
@@ -278,7 +271,7 @@ def plan_memory(
     rules = get_rules(rules) or rules_for_mesh(shape)
     alt = cfg.replace(expert_weights="bf16" if cfg.expert_weights == "mxfp4" else "mxfp4") if cfg.moe_layers else cfg
     return MemoryPlan(
-        name, shape, _rules_name(rules), batch, context, chunk, prefill_batch, cfg.expert_weights,
+        name, shape, rules_name(rules), batch, context, chunk, prefill_batch, cfg.expert_weights,
         weight_bytes(cfg, shape, rules), weight_bytes(alt, shape, rules),
         cache_bytes(cfg, batch, context, shape, rules, cache_dtype),
         activation_bytes(cfg, prefill_batch, context, chunk, shape, rules))

@@ -56,8 +56,9 @@ import numpy as np
 from ..config import ModelConfig
 from ..nn import REMAT_POLICIES, MLAMixer
 from ..ops import kda_chunked, make_ep_plan
-from ..sharding import Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh, rules_for_mesh
-from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _rules_name, _shard_bytes,
+from ..sharding import (Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh, rules_for_mesh,
+                        rules_name)
+from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _shard_bytes,
                     candidate_meshes)
 
 TRAINABLE_SETS = ("all", "experts", "indexer", "no_embed")
@@ -440,7 +441,7 @@ def plan_training(
     shape = parse_mesh(mesh)
     rules = get_rules(rules) or rules_for_mesh(shape)
     return TrainingMemoryPlan(
-        name, shape, _rules_name(rules), trainable, optimizer, master_dtype, remat, seq_len, micro_batch, grad_accum,
+        name, shape, rules_name(rules), trainable, optimizer, master_dtype, remat, seq_len, micro_batch, grad_accum,
         cfg.num_hidden_layers, state_bytes(cfg, shape, rules, trainable, optimizer),
         activation_terms(cfg, shape, rules, remat=remat, seq_len=seq_len, micro_batch=micro_batch,
                          vocab_chunk=vocab_chunk),

@@ -106,6 +106,11 @@ def get_rules(rules: Rules | str | None) -> Rules | None:
         raise KeyError(f"unknown rule table {rules!r}; known: {sorted(RULE_TABLES)}") from None
 
 
+def rules_name(rules: Rules) -> str:
+    """The name of a rule table in `RULE_TABLES`, or "custom"."""
+    return next((name for name, table in RULE_TABLES.items() if table == rules), "custom")
+
+
 def rules_for_mesh(mesh_shape: Mapping[str, int]) -> Rules:
     """The default table for a mesh: FSDP+EP+TP if `fsdp` > 1, else EP+TP if `expert` > 1,
     else TP. (Each table reduces to the next when the extra axis has size 1.)"""
