@@ -13,11 +13,12 @@
 - Importing it applies `k31jax.distributed.tune_host_malloc` (as the `k31jax` commands that
   run models do) before JAX starts; `K31JAX_HOST_MALLOC=0` measures glibc's defaults. The
   header says which.
-- `add_record_arguments(parser)` / `report(section, name, lines, session, args)`: the `--record`
-  / `--force` flags, and printing the header and lines, recording them when asked.
-- `record(section, lines, session)`: writes a block into `benchmarks/RESULTS.md`, replacing the
-  block of the same section. It refuses when the session was loaded, unless `force=True`, and
-  then the block says in bold that it was measured under load.
+- `add_record_arguments(parser)` / `report(benchmark, name, lines, session, args)`: the
+  `--record` / `--force` flags, and printing the header and lines, recording them when asked.
+- `record(benchmark, lines, session, part=...)`: writes the run's block into the benchmark's
+  section of `benchmarks/RESULTS.md` in place (the layout: `_results.py`), with the command
+  that produced it. It refuses when the session was loaded, unless `force=True`, and then the
+  block says in bold that it was measured under load.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from _results import block, block_key, put_block
 from k31jax.distributed import tune_host_malloc
 
 HOST_MALLOC = tune_host_malloc()  # before anything starts JAX's backend
@@ -236,33 +240,41 @@ def add_record_arguments(parser) -> None:
     parser.add_argument("--force", action="store_true", help="with --record: record even under load (marked)")
 
 
-def report(section: str, name: str, lines: Sequence[str], session: Session, args) -> None:
+def report(benchmark: str, name: str, lines: Sequence[str], session: Session, args, *,
+           part: str | None = None) -> None:
     """Print the session's header and `lines`; with `args.record`, write them into RESULTS.md
-    under `section` (`record`, which refuses a loaded session unless `args.force`)."""
+    (`record`, which refuses a loaded session unless `args.force`)."""
     print(f"# {name} benchmark  " + session.header())
     print("\n".join(lines))
     if args.record:
-        record(section, lines, session, force=args.force)
+        record(benchmark, lines, session, part=part, force=args.force)
 
 
-def record(section: str, lines: Sequence[str], session: Session, *, force: bool = False,
-           results: Path = RESULTS) -> bool:
-    """Put `lines` under a `<!-- bench:section -->` block of RESULTS.md (replacing an older
-    one). Returns False, writing nothing, when the session was loaded and `force` is off."""
+def running_command() -> str:
+    """This script's command line as a reader would rerun it, without `--record` / `--force`
+    (they do not change the figures)."""
+    return shlex.join([f"benchmarks/{Path(sys.argv[0]).name}",
+                       *(a for a in sys.argv[1:] if a not in ("--record", "--force"))])
+
+
+def record(benchmark: str, lines: Sequence[str], session: Session, *, part: str | None = None,
+           force: bool = False, results: Path = RESULTS, command: str | None = None) -> bool:
+    """Put `lines` as block `benchmark` (`benchmark_part` for one part of a script that records
+    several) into the section `## benchmark` of RESULTS.md, replacing that block's last run and
+    keeping the section's text (`_results.put_block`). The block's first line names the
+    command (default: the running one) and the session. Returns False, writing nothing, when
+    the session was loaded and `force` is off."""
     if session.load_after is None:
         session.finish()
     if session.loaded and not force:
         print(f"# not recorded in {results.name}: other processes shared the {session.cores} cores "
               f"({session.header()}); rerun on a quiet machine, or --force to record it marked")
         return False
-    begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
-    block = "\n".join([begin, f"`{section}`: {session.header()}", "", "```", *lines, "```", end])
+    key = block_key(benchmark, part)
+    written = block(key, [f"`{key}` (`{command or running_command()}`): {session.header()}", "",
+                          "```", *lines, "```"])
     text = results.read_text() if results.exists() else "# Benchmark results\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    text = put_block(text, benchmark, key, written, name=str(results))
     tmp = results.with_suffix(".md.tmp")
     tmp.write_text(text)
     os.replace(tmp, results)

@@ -64,7 +64,8 @@ import numpy as np  # noqa: E402
 
 from k31jax.kernels import mxfp4_matmul, sparse_mla  # noqa: E402
 from k31jax.kernels import kda_chunk  # noqa: E402
-from k31jax.ops import _indexer, _kda, _mla, _moe  # noqa: E402
+from k31jax.ops import (grouped_matmul, indexer_scores, kda_chunked, kda_recurrent, materialize,  # noqa: E402
+                        mla_attention_absorbed, mla_attention_sparse, select_topk)
 from k31jax.quant import MXFP4Weight  # noqa: E402
 
 COPY_BW = 4.3e12  # B/s, H200 device copy (read + write), measured here (H200.md, KINDS.md)
@@ -147,19 +148,19 @@ def mxfp4_cases(small):
         wbytes = touched * f * d * (0.5 + 1 / 32)  # packed + scale bytes of the touched experts
 
         gu_p = jax.jit(lambda x, a, b, s: mxfp4_matmul.grouped_matmul_gate_up(x, a, b, s, impl=IMPL))
-        gu_x = jax.jit(lambda x, a, b, s: (_moe.grouped_matmul(x, a, s, impl="xla"),
-                                           _moe.grouped_matmul(x, b, s, impl="xla")))
+        gu_x = jax.jit(lambda x, a, b, s: (grouped_matmul(x, a, s, impl="xla"),
+                                           grouped_matmul(x, b, s, impl="xla")))
         cases.append(Case(
             "mxfp4 gate+up", f"E={e} {d}->{f} M={m} ({n} tok x top{top}, {touched} experts)",
             gu_p, gu_x, (x_up, w_g, w_u, sizes), 2 * wbytes + m * d * 2 + 2 * m * f * 2,
             2 * 2 * m * d * f, 2e-2, "bytes: packed+scale of touched experts, x, outputs"))
         dn_p = jax.jit(lambda x, a, s: mxfp4_matmul.grouped_matmul(x, a, s, impl=IMPL))
-        dn_x = jax.jit(lambda x, a, s: _moe.grouped_matmul(x, a, s, impl="xla"))
+        dn_x = jax.jit(lambda x, a, s: grouped_matmul(x, a, s, impl="xla"))
         extra = {}
         if not small and n <= 64:  # the bf16 ragged_dot on pre-dequantised weights (4x the bytes)
             if w_bf16 is None:
-                w_bf16 = _moe.materialize(w_d, jnp.bfloat16)
-            extra["xla bf16 weights"] = (jax.jit(lambda x, a, s: _moe.grouped_matmul(x, a, s, impl="xla")),
+                w_bf16 = materialize(w_d, jnp.bfloat16)
+            extra["xla bf16 weights"] = (jax.jit(lambda x, a, s: grouped_matmul(x, a, s, impl="xla")),
                                          (x_dn, w_bf16, sizes))
         cases.append(Case(
             "mxfp4 down", f"E={e} {f}->{d} M={m} ({touched} experts)", dn_p, dn_x,
@@ -190,7 +191,7 @@ def kda_cases(small):
     for gate, lb in (("lower-bound", -5.0), ("softplus", None)):
         g = (lb * jax.nn.sigmoid(z)) if lb is not None else -jax.nn.softplus(z)
         pal = jax.jit(lambda *a, lb=lb: kda_chunk.kda_chunked(*a, c, lower_bound=lb, impl=IMPL))
-        xla = jax.jit(lambda *a: _kda.kda_chunked(*a, c, impl="xla"))
+        xla = jax.jit(lambda *a: kda_chunked(*a, c, impl="xla"))
         cases.append(Case(f"kda chunk ({gate})", f"B={b} T={t} H={h} d={dk} C={c}", pal, xla,
                           (q, k, v, g, beta, s0), nbytes, flops, 1e-4,
                           "target (T=8192): >= 3x XLA chunked; FLOPs: the chunked-form matmuls"))
@@ -206,7 +207,7 @@ def kda_cases(small):
     st = 0.1 * jax.random.normal(ks[5], (bd, h, dk, dk))
     cases.append(Case("kda decode step", f"B={bd} H={h} d={dk}",
                       jax.jit(lambda *a: kda_chunk.kda_recurrent(*a, impl=IMPL)),
-                      jax.jit(lambda *a: _kda.kda_recurrent(*a, impl="xla")), (q1, k1, v1, g1, b1, st),
+                      jax.jit(lambda *a: kda_recurrent(*a, impl="xla")), (q1, k1, v1, g1, b1, st),
                       2 * 4 * bd * h * dk * dk, 6 * bd * h * dk * dk, 1e-5,
                       "bytes: state read + write"))
     return cases
@@ -236,11 +237,11 @@ def mla_cases(small):
         valid = jnp.ones((bb, t, kk), bool)
         args = (qn, qp, ckv, kpe, w_uk, w_uv, idx, valid)
         pal = jax.jit(lambda *a: sparse_mla.mla_attention_sparse(*a, scale, impl=IMPL))
-        xla = jax.jit(lambda *a: _mla.mla_attention_sparse(*a, scale, impl="xla"))
+        xla = jax.jit(lambda *a: mla_attention_sparse(*a, scale, impl="xla"))
         extra = {}
         if label == "decode":
             mask = (jnp.arange(ss)[None, None] <= pos[None, :, None]) & jnp.ones((bb, 1, 1), bool)
-            dense = jax.jit(lambda qn, qp, c, p, a, bv, m: _mla.mla_attention_absorbed(
+            dense = jax.jit(lambda qn, qp, c, p, a, bv, m: mla_attention_absorbed(
                 qn, qp, c, p, a, bv, m, scale))
             extra[f"xla dense absorbed over S={ss}"] = (dense, (qn, qp, ckv, kpe, w_uk, w_uv, mask))
         nbytes = bb * t * kk * (r + dr) * 2 + bb * t * h * (dn + dr + dn) * 2
@@ -256,7 +257,7 @@ def mla_cases(small):
 def masked_scores_xla(q, w, k, q_pos, key_valid):
     """The XLA form of the kernel's masked indexer scores: `ops.indexer_scores` + causal mask."""
     ok = (jnp.arange(k.shape[1])[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
-    return jnp.where(ok, _indexer.indexer_scores(q, w, k), -jnp.inf)
+    return jnp.where(ok, indexer_scores(q, w, k), -jnp.inf)
 
 def indexer_cases(small):
     b, s, hi, di, kk = (2, 64, 4, 16, 16) if small else (64, 32768, 64, 128, 2048)
@@ -268,8 +269,8 @@ def indexer_cases(small):
     pos = jnp.array([s - 1], jnp.int32)
     sc_p = jax.jit(lambda *a: sparse_mla.indexer_scores(*a, impl=IMPL))
     sc_x = jax.jit(masked_scores_xla)
-    sel_p = jax.jit(lambda *a: _indexer.select_topk(*a, kk, impl=IMPL))
-    sel_x = jax.jit(lambda *a: _indexer.select_topk(*a, kk, impl="xla"))
+    sel_p = jax.jit(lambda *a: select_topk(*a, kk, impl=IMPL))
+    sel_x = jax.jit(lambda *a: select_topk(*a, kk, impl="xla"))
     args = (q, w, k, pos, kv)
     nbytes = b * s * di * 4 + b * s * 4
     flops = 2 * b * s * hi * di

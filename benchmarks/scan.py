@@ -153,7 +153,7 @@ def main():
                      f"{(forms['scanned'][0] + forms['scanned'][1]) / (forms[name][0] + forms[name][1]):.2f}x "
                      f"(time ratios: > 1 means the scan is slower)")
     lines.append(f"logits of the {len(forms)} forms agree to {agree:.1e} (relative to the largest)")
-    report("scan" if args.shape == "narrow-k3" else "scan_wide", "scan", lines, session, args)
+    report("scan", "scan", lines, session, args, part=None if args.shape == "narrow-k3" else "wide")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ Method (`benchmarks/_harness.py`): in each part the two sides alternate, one war
 the start that fills the warm cache), then `--repeats` rounds; median [min, max]; the 1-minute
 load average before and after every timed run (it counts this benchmark's own 2 busy threads)
 and the CPU other processes used during the timed runs (`_harness.OtherCPU`). `--record` writes
-the printed blocks into RESULTS.md, parts 1-2 as section `serve`, part 3 as `serve_startup`
-(refused when other processes shared the cores, unless `--force`, which marks it).
+the printed blocks into RESULTS.md's section `serve`, parts 1-2 as block `serve`, part 3 as
+`serve_startup` (refused when other processes shared the cores, unless `--force`, which marks it).
 """
 
 from __future__ import annotations
@@ -402,9 +402,9 @@ def main(argv=None) -> None:
     sess.finish()
     print(f"# {sess.header()}")
     if args.record:
-        for section, lines in (("serve", say.lines), ("serve_startup", say_startup.lines)):
+        for part, lines in ((None, say.lines), ("startup", say_startup.lines)):
             if lines:
-                record(section, lines, sess, force=args.force)
+                record("serve", lines, sess, part=part, force=args.force)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 
 Method (`benchmarks/_harness.py`): the two MoE paths alternate, one warm-up each, then
 --repeats rounds, median [min, max]; the compiles (minutes for the unrolled stack) run once
-each. `--record` writes RESULTS.md only on a quiet machine (with --skip-compile, under
-`sharding_moe`).
+each. `--record` writes RESULTS.md's section `sharding` only on a quiet machine (block
+`sharding`; with --skip-compile, `sharding_moe`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             lines.append(f"  {name:>8}: lower {lo:.1f} s, compile {co:.1f} s, total {lo + co:.1f} s")
         lines.append(f"unrolled / scanned = {sum(c['unrolled']) / sum(c['scanned']):.1f}x")
     session.finish()
-    report("sharding" if not args.skip_compile else "sharding_moe", "sharding", lines, session, args)
+    report("sharding", "sharding", lines, session, args, part="moe" if args.skip_compile else None)
     return 0
 
 

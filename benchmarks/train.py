@@ -43,7 +43,7 @@ Sections (each can be skipped):
    the first `--opt-eval-batches` held-out batches (file order; 0: all of them).
 
 Writes nothing into the repository unless `--record` is given: then what it printed goes into
-benchmarks/RESULTS.md as the block `bench:train` (`_harness.record`), only on a quiet machine.
+benchmarks/RESULTS.md as the block `train` of its section (`_harness.record`), only on a quiet machine.
 """
 
 from __future__ import annotations
@@ -168,9 +168,7 @@ def k31jax_step(args):
 
     import k31jax
     from k31jax.ops import Backends
-    from k31jax.train import OptimConfig, decay_mask
-    from k31jax.train._steps import StepSettings, train_step
-    from k31jax.train._trainer import split_for_training
+    from k31jax.train import OptimConfig, StepSettings, decay_mask, split_for_training, train_step
 
     rss_after_import = rss_now_mb()
     cfg = k31jax.ModelConfig.from_hf(CONFIG, dtype="float32")
@@ -427,8 +425,7 @@ def main():
         out(f"\n# torch {versions['torch']}")
     print("# train benchmark  " + session.header())
     if args.record:
-        record("train", [f"benchmarks/train.py {' '.join(a for a in sys.argv[1:] if a not in ('--record', '--force'))}",
-                         *out.lines], session, force=args.force)
+        record("train", out.lines, session, force=args.force)
 
 
 if __name__ == "__main__":

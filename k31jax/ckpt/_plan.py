@@ -31,7 +31,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..nn import abstract_model
 from ._names import F32_PARAMS, INDEXER_RE, VISION_PREFIXES, Source, detect_prefix, param_sources, vision_sources
-from ._safetensors import DTYPES, TensorInfo, no_gc
+from ._safetensors import SAFETENSORS_DTYPES, TensorInfo, no_gc
 from ._transforms import (FLOAT_DTYPES, CheckpointError, Entry, build_value, build_values, canonical_tensors, expected_dtypes,
                           expected_shapes, get_path, unbuild_value)
 
@@ -323,7 +323,7 @@ def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_mi
         if src.transform == "raw":
             info = tensors[src.names[0]]
             used.add(info.name)
-            entries.append(Entry(src.path, src, None, info.shape, DTYPES.get(info.dtype, np.dtype(np.uint8)),
+            entries.append(Entry(src.path, src, None, info.shape, SAFETENSORS_DTYPES.get(info.dtype, np.dtype(np.uint8)),
                                  (info,), "tensor", "vision"))
             continue
         try:
@@ -347,7 +347,7 @@ def _make_plan(cfg, tensors, *, root, dtype, expert_weights, no_indexer, init_mi
         if src.path in F32_PARAMS:
             stored = np.dtype(np.float32)
         else:
-            stored = store_dtype or DTYPES[info.dtype]
+            stored = store_dtype or SAFETENSORS_DTYPES[info.dtype]
         entries.append(Entry(key, src, None, shape, stored, (info,), "tensor", group))
     unused = sorted(names - used - dropped)
     for n in unused:
@@ -438,7 +438,7 @@ def _plan_experts(src, leaf, key, group, tensors, used, problems, what) -> list[
         if _check(tensors[name], [(o, i)], FLOAT_DTYPES, what, problems):
             infos.append(tensors[name])
     if len(infos) == e and len({t.dtype for t in infos}) == 1:
-        return [Entry(key, src, None, shape, DTYPES[infos[0].dtype], tuple(infos), "stack", group)]
+        return [Entry(key, src, None, shape, SAFETENSORS_DTYPES[infos[0].dtype], tuple(infos), "stack", group)]
     if len(infos) == e:
         problems.mismatch.append(f"{what}: experts mix dtypes {sorted({t.dtype for t in infos})}")
     return []

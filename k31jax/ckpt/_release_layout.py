@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..config import ModelConfig
-from ._safetensors import DTYPES
+from ._safetensors import SAFETENSORS_DTYPES
 from ._transforms import canonical_tensors
 
 QUANTIZATION_CONFIG = {
@@ -104,7 +104,7 @@ def vision_tensors(vc: dict, text_hidden: int) -> list[tuple[str, str, tuple[int
 
 def tensor_nbytes(t) -> int:
     """Bytes of a `(name, dtype, shape)` release tensor."""
-    return math.prod(t[2]) * DTYPES[t[1]].itemsize
+    return math.prod(t[2]) * SAFETENSORS_DTYPES[t[1]].itemsize
 
 
 def _units(tensors):

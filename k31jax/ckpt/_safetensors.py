@@ -19,7 +19,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": np.dtype(bool), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
     "I16": np.dtype(np.int16), "U16": np.dtype(np.uint16), "I32": np.dtype(np.int32),
     "U32": np.dtype(np.uint32), "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64),
@@ -40,7 +40,7 @@ def no_gc():
             gc.enable()
 
 
-_ITEMSIZE = {k: v.itemsize for k, v in DTYPES.items()}
+_ITEMSIZE = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -66,7 +66,7 @@ class TensorInfo(NamedTuple):
         n = math.prod(self.shape)
         if self.dtype == "F4":
             return (n + 1) // 2
-        return n * DTYPES[self.dtype].itemsize
+        return n * SAFETENSORS_DTYPES[self.dtype].itemsize
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -107,7 +107,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {h!r:.200} (expected "
                                    "dtype: string, shape: non-negative integers, data_offsets: two integers)") from None
-        if dtype not in DTYPES and dtype != "F4":
+        if dtype not in SAFETENSORS_DTYPES and dtype != "F4":
             raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if not 0 <= a <= b:
             raise SafetensorsError(f"{path}: tensor {name!r} has invalid data_offsets [{a}, {b}]")
@@ -140,7 +140,7 @@ def load_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor as a read-only numpy array backed by a memory map (F4 as raw uint8 bytes)."""
     if info.dtype == "F4":
         return np.memmap(info.file, np.uint8, "r", info.start, (info.nbytes,))
-    dt = DTYPES[info.dtype]
+    dt = SAFETENSORS_DTYPES[info.dtype]
     if info.nbytes == 0:
         return np.zeros(info.shape, dt)
     return np.memmap(info.file, dt, "r", info.start, info.shape)
@@ -381,7 +381,7 @@ class TensorReader:
         """The tensor as a numpy array (F4 as raw uint8 bytes): a fresh one, or with
         `scratch=True` a view of this reader's reusable buffer, valid until its next
         scratch read (saves page faults on hot paths)."""
-        dtype, shape = (np.dtype(np.uint8), (info.nbytes,)) if info.dtype == "F4" else (DTYPES[info.dtype], info.shape)
+        dtype, shape = (np.dtype(np.uint8), (info.nbytes,)) if info.dtype == "F4" else (SAFETENSORS_DTYPES[info.dtype], info.shape)
         if not scratch:
             return self.read_into(info, np.empty(shape, dtype))
         if self._scratch.nbytes < info.nbytes:
@@ -403,7 +403,7 @@ class TensorReader:
         self.close()
 
 
-DTYPE_NAMES = {np.dtype(bool): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
+SAFETENSORS_DTYPE_NAMES = {np.dtype(bool): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
                np.dtype(np.int16): "I16", np.dtype(np.uint16): "U16", np.dtype(np.int32): "I32",
                np.dtype(np.uint32): "U32", np.dtype(np.int64): "I64", np.dtype(np.uint64): "U64",
                np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..nn import abstract_model
 from ..quant import mxfp4_dequantize_packed, mxfp4_quantize_packed
 from ._names import F32_PARAMS, Source, param_sources
-from ._safetensors import DTYPES, TensorInfo
+from ._safetensors import SAFETENSORS_DTYPES, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F32", "F16")
 E8M0_NAN = 0xFF
@@ -151,7 +151,7 @@ def build_value(entry: Entry, reader, cfg: ModelConfig, *, out: np.ndarray | Non
         return out
     if entry.mode == "stack":
         for e, info in enumerate(entry.tensors):
-            if DTYPES[info.dtype] == entry.dtype:
+            if SAFETENSORS_DTYPES[info.dtype] == entry.dtype:
                 reader.read_into(info, out[e])
             else:
                 out[e] = reader.read(info, scratch=True).astype(entry.dtype)
@@ -183,7 +183,7 @@ def build_values(entries: list[Entry], reader, cfg: ModelConfig, outs: list[np.n
     `reader.read_many`, which reads them in file order in large sequential windows."""
     jobs, copied, rest = [], [], []
     for entry, out in zip(entries, outs):
-        if entry.mode == "stack" and all(DTYPES[i.dtype] == entry.dtype for i in entry.tensors):
+        if entry.mode == "stack" and all(SAFETENSORS_DTYPES[i.dtype] == entry.dtype for i in entry.tensors):
             jobs.extend((info, out[e]) for e, info in enumerate(entry.tensors))
             copied.append((entry, out))
         else:
@@ -227,7 +227,7 @@ def unbuild_value(entry: Entry, value: np.ndarray, cfg: ModelConfig) -> list[tup
     if entry.mode == "init":
         return []
     if entry.mode == "stack":
-        return [(info, np.ascontiguousarray(value[e]).astype(DTYPES[info.dtype], copy=False))
+        return [(info, np.ascontiguousarray(value[e]).astype(SAFETENSORS_DTYPES[info.dtype], copy=False))
                 for e, info in enumerate(entry.tensors)]
     if entry.mode == "dequant":
         out = []
@@ -245,7 +245,7 @@ def unbuild_value(entry: Entry, value: np.ndarray, cfg: ModelConfig) -> list[tup
         arr = value.reshape(-1)[:int(np.prod(info.shape))]
     else:
         arr = value
-    return [(info, np.ascontiguousarray(arr.reshape(info.shape)).astype(DTYPES[info.dtype], copy=False))]
+    return [(info, np.ascontiguousarray(arr.reshape(info.shape)).astype(SAFETENSORS_DTYPES[info.dtype], copy=False))]
 
 
 def canonical_tensors(cfg: ModelConfig, *, style: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:

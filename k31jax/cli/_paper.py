@@ -7,9 +7,8 @@ import dataclasses
 from pathlib import Path
 
 from ..config import ModelConfig, preset_names
-from ..distributed import DEVICES, plan_memory, plan_training, suggest_mesh, suggest_training_mesh
-from ..distributed._plan import GB
-from ..distributed._plan_train import MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS
+from ..distributed import (DEVICES, GB, MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, plan_memory, plan_training,
+                           suggest_mesh, suggest_training_mesh)
 from ..generate import DEFAULT_MODEL, embedded_model_dir
 from ..nn import REMAT_POLICIES
 from ..nn import count_params

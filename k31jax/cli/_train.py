@@ -11,11 +11,9 @@ from pathlib import Path
 from ..distributed import initialize
 from ..nn import REMAT_POLICIES, quantize_experts
 from ..generate import DEFAULT_MODEL
-from ..train import (DataConfig, OptimConfig, TrainConfig, eval_split, evaluate, indexer_recall, load_any,
-                     plot_metrics, with_index_topk)
-from ..train._config import DISTILL_STAGES, MASTER_DTYPES
-from ..train._optim import OPTIMIZERS, TRAINABLE_SETS
-from ..train._trainer import RUN_FILE, SIGTERM_EXIT, Trainer, with_config
+from ..train import (DISTILL_STAGES, MASTER_DTYPES, OPTIMIZERS, RUN_FILE, SIGTERM_EXIT, TRAINABLE_SETS, DataConfig,
+                     OptimConfig, TrainConfig, Trainer, eval_split, evaluate, indexer_recall, load_any, plot_metrics,
+                     with_config, with_index_topk)
 from ._common import UsageError, check_float, check_int, check_mesh_spec, check_rules, enable_compile_cache, install
 
 # Settings a resumed run may change; everything else must stay as the run was started.

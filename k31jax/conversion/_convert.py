@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ..ckpt._manifest import build_manifest, write_manifest
 from ..ckpt._orbax import ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, flatten, load_stored, quiet_orbax
 from ..ckpt._plan import CheckpointError, Plan, build_value, build_values, make_plan, unbuild_value
-from ..ckpt._safetensors import DTYPES, SafetensorsIndex, TensorReader, no_gc
+from ..ckpt._safetensors import SAFETENSORS_DTYPES, SafetensorsIndex, TensorReader, no_gc
 from ..config import ModelConfig
 from ..nn import abstract_model
 from ._destination import atomic_destination, check_stop, preflight
@@ -233,8 +233,8 @@ def compare_with_source(ckpt: Path, plan: Plan, reader: TensorReader, progress: 
                     if diff.size:
                         i = int(diff[0]) // src.dtype.itemsize
                         at = f"; first difference at element {i}: source {flat_s[i]}, stored {flat_a[i]}"
-                    cast = (f", stored as {e.dtype} from {np.dtype(DTYPES[info.dtype])}: the stored dtype changes "
-                            "its values" if e.dtype != DTYPES[info.dtype] else "")
+                    cast = (f", stored as {e.dtype} from {np.dtype(SAFETENSORS_DTYPES[info.dtype])}: the stored dtype changes "
+                            "its values" if e.dtype != SAFETENSORS_DTYPES[info.dtype] else "")
                     raise CheckpointError(f"{what}: stored leaf {'/'.join(e.key)} does not reproduce {info.file}: "
                                           f"tensor {info.name!r}{cast}{at}")
             else:

@@ -36,7 +36,7 @@ from ..ckpt._manifest import IntegrityError, check_checksums, check_sizes, read_
 from ..ckpt._orbax import ASSETS_DIR, checkpoint_config, checkpoint_info, flatten, load_stored, read_layout
 from ..ckpt._plan import CheckpointError, Plan, make_plan, unbuild_value
 from ..ckpt._release_layout import release_layout
-from ..ckpt._safetensors import DTYPE_NAMES, ShardWriter
+from ..ckpt._safetensors import SAFETENSORS_DTYPE_NAMES, ShardWriter
 from ._destination import atomic_destination, check_stop, preflight
 from ._orbax_save import fsync_tree
 from ._progress import human_bytes, progress_bar
@@ -69,7 +69,7 @@ class ExportResult:
 
 def _canonical_layout(cfg, stored: dict, num_shards: int) -> list:
     shards = release_layout(cfg, num_shards=num_shards)
-    vision = [(".".join(k[1:]), DTYPE_NAMES[np.dtype(m.dtype)], tuple(m.shape))
+    vision = [(".".join(k[1:]), SAFETENSORS_DTYPE_NAMES[np.dtype(m.dtype)], tuple(m.shape))
               for k, m in sorted(stored.items()) if k[0] == "vision"]
     if vision:
         n = len(shards) + 1

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..ckpt._plan import make_plan, unbuild_value
 from ..ckpt._release_layout import hf_config_dict, release_layout, tensor_nbytes
-from ..ckpt._safetensors import DTYPES, ShardWriter, no_gc
+from ..ckpt._safetensors import SAFETENSORS_DTYPES, ShardWriter, no_gc
 from ..ckpt._transforms import get_path
 from ..config import ModelConfig, preset_dir
 
@@ -56,7 +56,7 @@ def random_tensor(name: str, dtype: str, shape, seed: int, cfg: ModelConfig) -> 
         std, mean = 0.05, 0.0
     else:
         std, mean = 0.02, 0.0
-    out = np.empty(n, DTYPES[dtype])
+    out = np.empty(n, SAFETENSORS_DTYPES[dtype])
     step = 1 << 24
     for s in range(0, n, step):
         m = min(step, n - s)
@@ -115,7 +115,7 @@ def write_synthetic_release(
                 value = (vision_params or {}).get(name)
                 if value is None:
                     value = random_tensor(name, entry.tensors[0].dtype, entry.shape, seed, cfg)
-                where[name].write(name, np.asarray(value).astype(DTYPES[entry.tensors[0].dtype]))
+                where[name].write(name, np.asarray(value).astype(SAFETENSORS_DTYPES[entry.tensors[0].dtype]))
                 continue
             value = np.asarray(get_path(params, entry.source.path + ((entry.part,) if entry.part else ())))
             if entry.source.slot is not None:

@@ -11,6 +11,9 @@ Typical use::
     with sharding.activate(mesh):                                # mesh + its rule table
         logits, cache = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)
     print(distributed.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20).table("b300"))
+
+The training planner's choices (`OPTIMIZERS`, `TRAINABLE_SETS`, `MASTER_DTYPES`) are the ones
+`k31jax.train` accepts (it imports them from here); plans count bytes in decimal `GB`.
 """
 
 from ._host_malloc import backends_started, tune_host_malloc
@@ -18,11 +21,12 @@ from ._initialize import initialize
 from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_specs, describe, init_sharded,
                          init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
                          state_shardings, state_specs)
-from ._plan import DEVICES, MemoryPlan, plan_memory, suggest_mesh
-from ._plan_train import TrainingMemoryPlan, plan_training, suggest_training_mesh
+from ._plan import DEVICES, GB, MemoryPlan, plan_memory, suggest_mesh
+from ._plan_train import (MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, TrainingMemoryPlan, plan_training,
+                          suggest_training_mesh)
 
 __all__ = [
-    "DEVICES", "MemoryPlan", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "backends_started", "cache_shardings",
+    "DEVICES", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "backends_started", "cache_shardings",
     "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "load_sharded", "logical_axes",
     "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
     "suggest_mesh", "suggest_training_mesh", "tune_host_malloc",

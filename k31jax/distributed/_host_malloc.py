@@ -6,7 +6,7 @@ pages back when a block at their top is freed; either way the next call's buffer
 memory, which the kernel maps in 4 KiB page by page. A batch-8 MoE decode step copies ~100 MiB of
 gathered expert weights, so it spends most of its time in page faults. With one arena, no
 `mmap` for large blocks and a high trim threshold, a freed buffer stays mapped and the next
-call reuses it. `benchmarks/RESULTS.md` ("## host malloc") has the measured effect.
+call reuses it. `benchmarks/RESULTS.md` ("## host_malloc") has the measured effect.
 
 The price: freed memory up to the trim threshold stays with the process instead of going back
 to the system, and every thread allocates from one arena (XLA:CPU's allocations are few and

@@ -29,8 +29,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from ..chat import Segment
-from ..chat._render import close_tag, escape_attr, open_tag
+from ..chat import Segment, close_tag, escape_attr, open_tag
 
 TOOL_CHOICE_MODES = ("none", "required", "named")
 

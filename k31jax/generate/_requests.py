@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..chat import K2StreamParser, K3StreamParser, ParsedMessage, ParseEvent, Segment, ThinkingBudget, ThinkPhase
-from ..chat._k3_output import k3_last_channel
+from ..chat import (K2StreamParser, K3StreamParser, ParsedMessage, ParseEvent, Segment, ThinkingBudget, ThinkPhase,
+                   k3_last_channel)
 from ._sampling import SamplingParams
 
 FINISH_STOP = "stop"  # a stop id or stop string ended the row

@@ -26,8 +26,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..chat import ParsedMessage, ParseEvent, apply_chat_template
-from ..chat._media import IMAGE_PART_TYPES
+from ..chat import IMAGE_PART_TYPES, ParsedMessage, ParseEvent, apply_chat_template
 from ._engine import Engine, GenerationResult
 from ._requests import Completion, Request
 from ._sampling import SamplingParams

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..ops import Backends, _kda, _norms
+from ..ops import Backends, kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, l2_normalize, short_conv
 from ._param import constant, dt_bias_init, normal, param, uniform
 
 
@@ -79,22 +79,22 @@ class KDAMixer(nnx.Module):
         branches, new_hist = [], []
         for proj, w_conv, hst in zip((self.q_proj, self.k_proj, self.v_proj),
                                      (self.q_conv, self.k_conv, self.v_conv), hist):
-            y, hy = _kda.short_conv(x @ proj[...], w_conv[...], hst, segment_ids=segment_ids)
+            y, hy = short_conv(x @ proj[...], w_conv[...], hst, segment_ids=segment_ids)
             branches.append(jax.nn.silu(y).reshape(b, t, h, dk))
             new_hist.append(jnp.swapaxes(hy, 1, 2))
         q, k, v = branches
-        q = _norms.l2_normalize(q) * dk ** -0.5
-        k = _norms.l2_normalize(k)
+        q = l2_normalize(q) * dk ** -0.5
+        k = l2_normalize(k)
         z = ((x @ self.f_a_proj[...]) @ self.f_b_proj[...]).astype(jnp.float32).reshape(b, t, h, dk)
-        g = _kda.kda_gate(z, self.a_log[...][:h], self.dt_bias[...].reshape(h, dk), self.lower_bound)
+        g = kda_gate(z, self.a_log[...][:h], self.dt_bias[...].reshape(h, dk), self.lower_bound)
         beta = jax.nn.sigmoid((x @ self.b_proj[...]).astype(jnp.float32))
         if valid is not None:
-            g, beta = _kda.kda_mask_padding(valid, g, beta)
+            g, beta = kda_mask_padding(valid, g, beta)
         if t == 1 and state is not None:
-            o, state = _kda.kda_recurrent(q, k, v, g, beta, state, impl=kernels)
+            o, state = kda_recurrent(q, k, v, g, beta, state, impl=kernels)
         else:
-            o, state = _kda.kda_chunked(q, k, v, g, beta, state, self.chunk_size, impl=kernels,
-                                        lower_bound=self.lower_bound, segment_ids=segment_ids)
+            o, state = kda_chunked(q, k, v, g, beta, state, self.chunk_size, impl=kernels,
+                                   lower_bound=self.lower_bound, segment_ids=segment_ids)
         gate_in = x @ self.g_proj[...] if self.full_rank_gate else (x @ self.g_a_proj[...]) @ self.g_b_proj[...]
         gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)

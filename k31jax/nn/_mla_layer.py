@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..ops import Backends, _indexer, _mla, _norms
+from ..ops import (Backends, indexer_keys, indexer_queries, mla_attention, mla_attention_absorbed,
+                   mla_attention_sparse, rms_norm, select_topk, selection_mask)
 from ._param import constant, normal
 
 _LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
@@ -27,10 +28,10 @@ class Indexer(nnx.Module):
         self.weights_proj = normal(rngs, (cfg.hidden_size, hi), std, dt, ("embed", "index_heads"))
 
     def keys(self, x):
-        return _indexer.indexer_keys(x, self.wk[...], self.k_norm_weight[...], self.k_norm_bias[...])
+        return indexer_keys(x, self.wk[...], self.k_norm_weight[...], self.k_norm_bias[...])
 
     def queries(self, c_q, x):
-        return _indexer.indexer_queries(c_q, self.wq_b[...], x, self.weights_proj[...], self.n_heads)
+        return indexer_queries(c_q, self.wq_b[...], x, self.weights_proj[...], self.n_heads)
 
 
 class MLAMixer(nnx.Module):
@@ -71,9 +72,9 @@ class MLAMixer(nnx.Module):
 
     def latents(self, x):
         """c_q (or None), the normalised c_kv, and the raw k_pe for x `[B, T, D]`."""
-        c_q = _norms.rms_norm(x @ self.q_a_proj[...], self.q_a_norm[...], _LATENT_EPS) if self.use_q_lora else None
+        c_q = rms_norm(x @ self.q_a_proj[...], self.q_a_norm[...], _LATENT_EPS) if self.use_q_lora else None
         kv = x @ self.kv_a_proj[...]
-        c_kv = _norms.rms_norm(kv[..., :self.r], self.kv_a_norm[...], _LATENT_EPS)
+        c_kv = rms_norm(kv[..., :self.r], self.kv_a_norm[...], _LATENT_EPS)
         return c_q, c_kv, kv[..., self.r:]
 
     def queries(self, x, c_q):
@@ -152,24 +153,24 @@ class MLAMixer(nnx.Module):
         if select:
             qi, wi = self.indexer.queries(c_q, x)
             key_block = self.index_key_block if t > 1 and s_len > self.index_key_block else None
-            sel_idx, sel_valid = _indexer.select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
-                                                      key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
-                                                      segment_ids=segment_ids)
+            sel_idx, sel_valid = select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
+                                             key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
+                                             segment_ids=segment_ids)
             if sparse_impl == "auto":
                 sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_impl == "gather":
-            o = _mla.mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
-                                          sel_valid, self.scale, impl=backends.kernels, segment_ids=segment_ids)
+            o = mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
+                                     sel_valid, self.scale, impl=backends.kernels, segment_ids=segment_ids)
         else:
             if select:
-                mask = mask & _indexer.selection_mask(sel_idx, sel_valid, s_len)
+                mask = mask & selection_mask(sel_idx, sel_valid, s_len)
             if t == 1:  # decode: absorbed (MQA) form over the latent cache
-                o = _mla.mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale,
-                                                segment_ids=segment_ids)
+                o = mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale,
+                                           segment_ids=segment_ids)
             else:  # prefill: naive (MHA) form with per-head keys/values expanded from the latent
                 kv = (keys_ckv @ self.kv_b_proj[...]).reshape(b, s_len, h, dn + self.dv)
-                o = _mla.mla_attention(q_nope, q_pe, kv[..., :dn], keys_kpe, kv[..., dn:], mask, self.scale,
-                                       segment_ids=segment_ids)
+                o = mla_attention(q_nope, q_pe, kv[..., :dn], keys_kpe, kv[..., dn:], mask, self.scale,
+                                  segment_ids=segment_ids)
         o = o.reshape(b, t, h * self.dv)
         if self.use_gate:
             o = o * jax.nn.sigmoid((x @ self.g_proj[...]).astype(jnp.float32))

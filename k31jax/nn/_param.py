@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..sharding._rules import param_local_rules, shard_param_value
+from ..sharding import constrain, param_local_rules
 
 
 def _mesh_active() -> bool:
@@ -27,7 +27,7 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
         return nnx.Param(value, out_sharding=axes, eager_sharding=False)
     # `sharding_rules` lets Flax's own tools (nnx.eval_shape / get_abstract_model /
     # get_partition_spec under this mesh) resolve the names exactly as k31jax does.
-    return nnx.Param(shard_param_value(value, axes), out_sharding=axes, eager_sharding=False,
+    return nnx.Param(constrain(value, *axes), out_sharding=axes, eager_sharding=False,
                      sharding_rules=param_local_rules(axes, value.shape))
 
 

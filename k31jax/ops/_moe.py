@@ -84,7 +84,7 @@ def grouped_matmul(
 
 
 # (mean rows per expert below which, block) for the "blocked" path; 256 above the last.
-# Measured on CPU by benchmarks/moe_blocks.py (RESULTS.md "## moe blocks"): 32 is fastest up
+# Measured on CPU by benchmarks/moe_blocks.py (RESULTS.md "## moe_blocks"): 32 is fastest up
 # to ~32 rows per expert, 64 from 64 to 256 (up to 1.4x faster than 32), 128 or 256 at 1,024
 # (about 2x).
 _BLOCK_BY_MEAN_ROWS = ((48, 32), (768, 64))

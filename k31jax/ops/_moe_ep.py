@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
-from ..sharding._rules import current_rules, inside_manual, logical_to_spec, spec_axes
+from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
 from ._moe import RAGGED_DOT_DIMS, expert_window, materialize, one_expert, visit_selected_experts
 

@@ -10,9 +10,11 @@ axis (by default the last, the contraction axis of ``[out, in]`` weights).
   ``mxfp4_quantize_packed``, ``mxfp4_dequantize_packed``, ``mxfp4_unpack_to_e4m3``,
   ``mxfp4_block_max_histogram``.
 - QAT: ``fake_quant`` (straight-through), ``mx_fake_quant_activations``.
+- Scale bytes for kernels: ``E8M0_BIAS``, ``E8M0_NAN``, ``split_pow2`` (an exact ``2**k``
+  as two normal f32 factors).
 """
 
-from k31jax.quant._formats import FORMATS, RULES, get_format
+from k31jax.quant._formats import E8M0_BIAS, E8M0_NAN, FORMATS, RULES, get_format, split_pow2
 from k31jax.quant._mx import compute_scales, decode_elements, dequantize, quantize, quantize_with_scales
 from k31jax.quant._pack import (
     MXFP4Weight,
@@ -29,7 +31,8 @@ from k31jax.quant._pack import (
 from k31jax.quant._qat import fake_quant, mx_fake_quant_activations
 
 __all__ = [
-    "FORMATS", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
+    "E8M0_BIAS", "E8M0_NAN", "FORMATS", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
     "get_format", "mx_fake_quant_activations", "mxfp4_block_max_histogram", "mxfp4_dequantize_packed",
-    "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "unpack_fp4",
+    "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "split_pow2",
+    "unpack_fp4",
 ]

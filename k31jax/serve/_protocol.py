@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..chat import ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template
-from ..chat._render import resolve_reasoning_effort
+from ..chat import ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template, resolve_reasoning_effort
 from ..generate import Request, SamplingParams, ToolChoice
 from ..vision import ImagePrompts
 

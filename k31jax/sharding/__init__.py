@@ -15,10 +15,12 @@ the memory planner and multi-process setup are one layer up, in `k31jax.distribu
 
 from ._mesh import abstract_mesh, activate, make_mesh, mesh_str, parse_mesh, place_host_array
 from ._rules import (EP_IN_TP, EP_TP, FSDP_EP_TP, MESH_AXES, RULE_TABLES, TP, Rules, constrain, current_rules,
-                     get_rules, logical_to_spec, rules_for_mesh, rules_name, shard_factor, use_rules)
+                     get_rules, inside_manual, logical_to_spec, param_local_rules, rules_for_mesh, rules_name,
+                     shard_factor, spec_axes, use_rules)
 
 __all__ = [
     "EP_IN_TP", "EP_TP", "FSDP_EP_TP", "MESH_AXES", "RULE_TABLES", "Rules", "TP", "abstract_mesh", "activate",
-    "constrain", "current_rules", "get_rules", "logical_to_spec", "make_mesh", "mesh_str", "parse_mesh",
-    "place_host_array", "rules_for_mesh", "rules_name", "shard_factor", "use_rules",
+    "constrain", "current_rules", "get_rules", "inside_manual", "logical_to_spec", "make_mesh", "mesh_str",
+    "param_local_rules", "parse_mesh", "place_host_array", "rules_for_mesh", "rules_name", "shard_factor", "spec_axes",
+    "use_rules",
 ]

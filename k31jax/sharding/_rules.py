@@ -212,6 +212,7 @@ def active_mesh_shape() -> dict[str, int] | None:
 
 
 def inside_manual() -> bool:
+    """Whether the code runs inside `shard_map` (the mesh's axes are manual there)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = getattr(mesh, "manual_axes", None)
     if manual is not None:
@@ -226,11 +227,6 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     if mesh_shape is None or inside_manual():
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh_shape))
-
-
-def shard_param_value(value: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Eager sharding of a freshly created parameter (used by `nn._param.param`)."""
-    return constrain(value, *names)
 
 
 def param_local_rules(names: Sequence[str | None], shape: Sequence[int]) -> Rules:

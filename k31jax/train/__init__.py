@@ -8,21 +8,28 @@ DeepSeek-V3.2-style indexer distillation with its top-k recall (`TrainConfig.dis
                       optim=OptimConfig(learning_rate=3e-4, warmup_steps=20, total_steps=200), steps=200,
                       qat=True)
     result = train(cfg)                     # or: k31jax train --config tiny --data corpus/ --out runs/a ...
+
+The step itself, for code that drives it (benchmarks): `split_for_training(state, optim)` ->
+(frozen rest, trained leaves, optimizer), `train_step(graphdef, tx, StepSettings(...), ...)`.
+A run folder holds `RUN_FILE`; a run stopped by SIGTERM exits with `SIGTERM_EXIT`.
 """
 
 from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics, sequence_balance_loss
-from ._config import TrainConfig
+from ._config import DISTILL_STAGES, MASTER_DTYPES, TrainConfig
 from ._data import DataConfig, HoldoutSplit, heldout_bytes, holdout_split, load_documents, make_dataset
 from ._distill import RecallResult, indexer_distill_terms, indexer_kl, indexer_recall, topk_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
 from ._metrics import plot_metrics, read_metrics
-from ._optim import OptimConfig, decay_mask, make_optimizer, param_labels
+from ._optim import OPTIMIZERS, TRAINABLE_SETS, OptimConfig, decay_mask, make_optimizer, param_labels
 from ._runs import eval_split, load_generation_model, training_files
-from ._trainer import (EvalResult, Trainer, TrainResult, abstract_train_step, evaluate, load_any, load_run,
-                       train)
+from ._steps import StepSettings, train_step
+from ._trainer import (RUN_FILE, SIGTERM_EXIT, EvalResult, Trainer, TrainResult, abstract_train_step, evaluate, load_any,
+                       load_run, split_for_training, train, with_config)
 
 __all__ = [
+    "DISTILL_STAGES", "MASTER_DTYPES", "OPTIMIZERS", "RUN_FILE", "SIGTERM_EXIT", "TRAINABLE_SETS", "StepSettings",
+    "split_for_training", "train_step", "with_config",
     "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
     "RecallResult", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",
     "chunked_cross_entropy", "decay_mask", "eval_split", "evaluate", "expert_load", "full_cross_entropy",

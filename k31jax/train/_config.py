@@ -7,11 +7,11 @@ import json
 import os
 from typing import Any
 
+from ..distributed import MASTER_DTYPES  # the training memory planner's, checked the same way
 from ..nn import REMAT_POLICIES
 from ._data import DataConfig
 from ._optim import OptimConfig
 
-MASTER_DTYPES = ("float32", "bfloat16")
 DISTILL_STAGES = ("dense", "sparse")  # indexer distillation (k31jax.train._distill.STAGES)
 
 

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-OPTIMIZERS = ("adamw", "muon")
-TRAINABLE_SETS = ("all", "experts", "indexer", "no_embed")
+# the training memory planner, a layer below, checks the same choices: one definition, there
+from ..distributed import OPTIMIZERS, TRAINABLE_SETS
 
 # optimizer labels; a leaf's label decides its transformation (and its state)
 MUON, ADAMW, ADAMW_NO_DECAY, FROZEN = "muon", "adamw", "adamw_no_decay", "frozen"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import VisionConfig
-from ..nn._param import constant, normal
+from ..nn import constant, normal
 from ..sharding import constrain
 from . import _ops
 from ._layout import VisionInputs

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...quant._formats import E8M0_BIAS, E8M0_NAN, split_pow2
+from ...quant import E8M0_BIAS, E8M0_NAN, split_pow2
 from .._common import call, masked_store
 
 F32 = jnp.float32
