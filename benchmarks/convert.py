@@ -2,7 +2,7 @@
 
     python benchmarks/convert.py [--layers 24] [--experts 128] [--dir /tmp/k31jax-bench-convert] [--repeats 3] [--record]
 
-Writes a synthetic K3-shaped release (`k31jax.conversion.synthetic_config`: MXFP4
+Writes a synthetic K3-shaped release (`k31jax.ckpt.synthetic_config`: MXFP4
 experts dominate the bytes as in the release; the defaults give 3.07 GB in 25 shards,
 133 MB per layer), then measures, each in a fresh process and each from a cold page cache
 for the source files (`posix_fadvise(DONTNEED)` on our own files; nothing machine-wide)
@@ -148,8 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic files")
     a = ap.parse_args(argv)
 
-    from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
-    from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
+    from k31jax.ckpt import release_layout, synthetic_config, tensor_nbytes, write_synthetic_release
 
     session = Session()
     base = Path(a.dir)

@@ -2,7 +2,7 @@
 
     python convert/convert.py SRC DST [--verify] [--dry-run] ...
 
-The same command as `k31jax.conversion` (the library is `k31jax.convert`); `--help` lists the options.
+The same command as `k31jax convert` (the library is `k31jax.ckpt`); `--help` lists the options.
 """
 
 import sys

@@ -2,7 +2,7 @@
 
     python convert/export.py CKPT OUT [--overwrite]
 
-The same command as `k31jax export` (the library is `k31jax.conversion`); `--help` lists the options.
+The same command as `k31jax export` (the library is `k31jax.ckpt`); `--help` lists the options.
 """
 
 import sys

@@ -2,15 +2,15 @@
 
 The curated public API: what a researcher types. The layers underneath, bottom to top:
 `config` -> `quant`, `chat` -> `sharding` (rules, meshes, constraints) -> `kernels` -> `ops`
-(pure functions, the kernel seam, `Backends`) -> `nn` (modules, cache, counts) -> `ckpt`
-(formats, loading) -> `distributed` (placement on meshes, planner, multi-process) ->
-`conversion` -> `generate` -> `train` -> `cli`; each imports only from below.
+(pure functions, the kernel seam, `Backends`) -> `nn` (modules, cache, counts) -> `vision`
+-> `ckpt` (formats, loading, converting) -> `distributed` (placement on meshes, planner,
+multi-process) -> `generate` -> `train` | `serve` -> `aot` -> `cli`; each imports only from below, and only
+another package's public names (tests/test_architecture.py).
 """
 
 from . import distributed, sharding
-from .ckpt import load_checkpoint, load_hf_weights
+from .ckpt import convert, export, load_checkpoint, load_hf_weights, verify_checkpoint
 from .config import ConfigError, ModelConfig, preset_names
-from .conversion import convert, export, verify_checkpoint
 from .distributed import init_sharded, load_sharded, plan_memory
 from .generate import ChatSession, Engine, SamplingParams, load_model
 from .nn import Cache, K31ForCausalLM, ParamCount, abstract_model, count_params, dequantize_experts, quantize_experts

@@ -13,7 +13,7 @@ from flax import nnx
 
 from conftest import tiny_config
 from k31jax.ckpt._release_layout import hf_config_dict
-from k31jax.conversion._synthetic import bf16_exact, write_synthetic_release
+from k31jax.ckpt._synthetic import bf16_exact, write_synthetic_release
 from k31jax.ckpt import SafetensorsIndex, ShardWriter, TensorReader, read_header
 
 # A small MoonViT-like vision config (only shapes matter to the converter).

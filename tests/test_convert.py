@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from k31jax import convert, export
-from k31jax.conversion._convert import compare_with_source
+from k31jax.ckpt._convert import compare_with_source
 from convert_util import release_ready_model, tensors_of, write_model_release
 from k31jax import dequantize_experts, load_hf_weights
 from k31jax.ckpt import (CheckpointError, SafetensorsIndex, TensorReader, checkpoint_info, load_checkpoint,

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_config
 from k31jax import convert
-from k31jax.conversion._synthetic import write_synthetic_release
+from k31jax.ckpt._synthetic import write_synthetic_release
 from convert_util import copy_release, edit_config, edit_header, leftovers, rewrite, shard_of, tensors_of
 from k31jax.ckpt import CheckpointError, SafetensorsError, checkpoint_info
 from k31jax.ckpt._orbax import load_stored

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import kimi_linear_tiny_config, tiny_config
 from k31jax.ckpt._release_layout import hf_config_dict, release_layout
-from k31jax.conversion._synthetic import write_synthetic_release
+from k31jax.ckpt._synthetic import write_synthetic_release
 from k31jax import ModelConfig
 from k31jax.ckpt import read_header
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from k31jax.ckpt._release_layout import tensor_nbytes, release_layout
-from k31jax.conversion._synthetic import synthetic_config, write_synthetic_release
+from k31jax.ckpt._synthetic import synthetic_config, write_synthetic_release
 
 
 @pytest.mark.slow

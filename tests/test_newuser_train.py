@@ -259,7 +259,7 @@ def test_processor_config_errors_name_the_field(tmp_path, media, message):
 
 def test_a_release_preprocessor_config_sets_the_image_processor(tmp_path):
     from convert_util import release_ready_model
-    from k31jax.conversion._synthetic import write_synthetic_release
+    from k31jax.ckpt._synthetic import write_synthetic_release
     from k31jax.generate import Engine
     from test_vision import TINY, release_weights
 

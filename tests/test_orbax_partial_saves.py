@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from k31jax.conversion._orbax_save import drop_interior_keys, fast_partial_saves
+from k31jax.ckpt._orbax_save import drop_interior_keys, fast_partial_saves
 
 # A plain import, not importorskip: if Orbax moves these private functions, the converter's
 # patches stop applying (conversions turn quadratic again) and this file must fail loudly.
@@ -84,7 +84,7 @@ def test_flush_new_files_walks_each_save_folder_once(tmp_path, monkeypatch):
     and the whole of each new partial-save folder (two levels down) exactly once."""
     import os
 
-    from k31jax.conversion._orbax_save import flush_new_files
+    from k31jax.ckpt._orbax_save import flush_new_files
 
     flushed = []
     real = os.posix_fadvise

@@ -8,7 +8,7 @@ from flax import nnx
 from k31jax import ModelConfig, distributed, sharding
 from k31jax.ckpt import load_checkpoint
 
-from k31jax.conversion import convert, write_synthetic_release
+from k31jax.ckpt import convert, write_synthetic_release
 
 
 @pytest.fixture(scope="module")

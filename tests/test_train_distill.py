@@ -27,7 +27,7 @@ from k31jax.chat import KimiTokenizer, train_bpe, write_tiktoken_model
 from k31jax.cli import build_parser, main
 from k31jax.cli._train import _config_from_args, _defaults
 from k31jax.ckpt import ASSETS_DIR
-from k31jax.conversion import write_synthetic_release
+from k31jax.ckpt import write_synthetic_release
 from k31jax.generate import load_model
 from k31jax.nn import K31ForCausalLM, abstract_model
 from k31jax.train import (DataConfig, OptimConfig, TrainConfig, indexer_distill_terms, indexer_kl, indexer_recall,

@@ -28,7 +28,7 @@ from convert_util import release_ready_model
 from k31jax import convert, sharding
 from k31jax.ckpt import (CheckpointError, ModelWithVision, load_checkpoint, load_checkpoint_vision,
                          load_hf_weights)
-from k31jax.conversion._synthetic import write_synthetic_release
+from k31jax.ckpt._synthetic import write_synthetic_release
 from k31jax.distributed import load_sharded, shard_model
 from k31jax.vision import VisionLoadError, VisionModel, load_vision_model, pack_images
 from test_vision import GRIDS, TINY, images, patchify, release_weights

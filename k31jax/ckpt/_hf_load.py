@@ -20,7 +20,8 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..nn import K31ForCausalLM, abstract_model
-from ._plan import CheckpointError, build_value, get_path, make_plan
+from ._plan import make_plan
+from ._transforms import CheckpointError, build_value, get_path
 from ._safetensors import SafetensorsIndex, TensorReader
 from ._vision import ModelWithVision, build_vision, vision_config_of
 

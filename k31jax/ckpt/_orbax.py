@@ -37,7 +37,8 @@ from ..sharding import Rules, place_host_array
 from ..vision import VisionModel
 from ._manifest import check_checksums, check_sizes, read_manifest, require_manifest
 from ._names import stack_layers
-from ._plan import CheckpointError, layer_key
+from ._plan import layer_key
+from ._transforms import CheckpointError
 from ._safetensors import SafetensorsIndex
 from ._vision import ModelWithVision, build_vision, vision_config_of
 

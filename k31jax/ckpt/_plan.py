@@ -9,7 +9,7 @@ weights, the K3.1 indexer guard) is collected and raised as one `CheckpointError
 the files and tensors (spec checkpoint_format.md §6).
 
 The values are built by `_transforms.build_value(entry, reader, cfg)` and mapped back by
-its exact inverse `unbuild_value` (re-exported here); the in-memory loader
+its exact inverse `_transforms.unbuild_value`; the in-memory loader
 (`load_hf_weights`), the streaming converter, `--verify` and `export` all go through them.
 
 On-disk (Orbax) layout: unstacked leaves keep their model path (`embed`, `lm_head`, ...);
@@ -32,11 +32,9 @@ from ..config import ModelConfig
 from ..nn import abstract_model
 from ._names import F32_PARAMS, INDEXER_RE, VISION_PREFIXES, Source, detect_prefix, param_sources, vision_sources
 from ._safetensors import SAFETENSORS_DTYPES, TensorInfo, no_gc
-from ._transforms import (FLOAT_DTYPES, CheckpointError, Entry, build_value, build_values, canonical_tensors, expected_dtypes,
-                          expected_shapes, get_path, unbuild_value)
+from ._transforms import FLOAT_DTYPES, CheckpointError, Entry, expected_dtypes, expected_shapes, get_path
 
-__all__ = ["STORE_DTYPES", "CheckpointError", "Entry", "Plan", "build_value", "build_values", "canonical_tensors",
-           "expected_dtypes", "expected_shapes", "layer_key", "make_plan", "stored_float_dtype", "unbuild_value"]
+__all__ = ["STORE_DTYPES", "Plan", "layer_key", "make_plan", "stored_float_dtype"]
 
 def layer_key(layer: int) -> str:
     return f"layer_{layer:03d}"

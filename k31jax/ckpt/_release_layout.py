@@ -1,7 +1,7 @@
 """The canonical K3 release layout of a config (checkpoint_format.md §1-§3): its
 `config.json` (`hf_config_dict`), and its shards with their tensors in the release order
 (`release_layout`). `export` writes a checkpoint without a recorded source layout this way;
-the synthetic-release writer of `k31jax.conversion` fills it with values.
+the synthetic-release writer of `k31jax.ckpt` fills it with values.
 """
 
 from __future__ import annotations

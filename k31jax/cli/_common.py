@@ -27,7 +27,7 @@ import jax
 
 from ..ckpt import CheckpointError, SafetensorsError
 from ..config import ConfigError
-from ..conversion import Interrupted, SourceOverlapError
+from ..ckpt import Interrupted, SourceOverlapError
 from ..distributed import initialize, shard_model
 from ..sharding import RULE_TABLES, activate, make_mesh, parse_mesh
 

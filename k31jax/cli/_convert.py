@@ -17,8 +17,7 @@ import signal
 import sys
 import threading
 
-from ..ckpt._plan import STORE_DTYPES
-from ..conversion import convert, export, verify_checkpoint
+from ..ckpt import STORE_DTYPES, convert, export, verify_checkpoint
 from ._common import UsageError, check_float, install, report
 
 

@@ -6,7 +6,8 @@ streaming text and structured events, and a multi-turn chat session.
 - ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
 - ``ChatSession``: K3 chat history (reasoning, tool calls, tool results) over an engine.
 - ``heal_prompt``: token healing for raw completion (``Request(healed_prefix=...)``).
-- ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model.
+- ``load_model``: a checkpoint folder (Orbax or safetensors) or the embedded default model;
+  ``load_tokenizer`` / ``tokenizer_dir``: a checkpoint's or run's tokenizer alone.
 - Images: ``Engine(..., vision=loaded.vision)`` (``load_model(vision=True)``: the checkpoint's
   tower, or a seeded random one for the embedded model), ``engine.image_prompts()`` as the
   chat template's ``media_prompt``, ``Request(ids, images=prompts.images)``.
@@ -18,7 +19,7 @@ streaming text and structured events, and a multi-turn chat session.
 
 from ._engine import Engine, GenerationResult, abstract_decode_inputs, bucket_length, engine_program, plan_prefill
 from ._healing import heal_prompt
-from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
+from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model, load_tokenizer, tokenizer_dir
 from ._multihost import ProcessSync
 from ._requests import Completion, Request, StreamDelta
 from ._prefix import PrefixCache
@@ -32,5 +33,5 @@ __all__ = [
     "Handle", "LoadedModel", "PrefixCache", "ProcessSync", "QueueFullError", "Request", "SamplerState", "SamplingParams",
     "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult", "Warmup",
     "abstract_decode_inputs", "bucket_length", "embedded_model_dir", "engine_program", "heal_prompt", "load_model",
-    "plan_prefill", "sample_logits", "sample_tokens",
+    "load_tokenizer", "plan_prefill", "sample_logits", "sample_tokens", "tokenizer_dir",
 ]

@@ -31,10 +31,10 @@ from tqdm import tqdm
 
 from ..chat import TokenizerBase
 from ..config import ModelConfig
-from ..conversion import convert, write_synthetic_release
+from ..ckpt import convert, write_synthetic_release
 from ..distributed import shard_model
 from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
-from ..generate._loading import load_tokenizer, tokenizer_dir
+from ..generate import load_tokenizer, tokenizer_dir
 from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
 from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh

@@ -1,7 +1,7 @@
 """Safe destinations for `k31jax convert` / `k31jax export`, through the CLI in-process: each
 case checks the exit code, the one `error:` line naming the path, that SRC is bytewise
 untouched, that nothing half-written is published and that no temporary folder or lock is
-left (see k31jax/conversion/_destination.py)."""
+left (see k31jax/ckpt/_destination.py)."""
 
 import errno
 import json
@@ -19,8 +19,8 @@ from convert_util import tensors_of
 from fault_util import assert_clean, dead_pid, hold_lock, make_temp_tree, one_error, run, tree_digest
 from k31jax.ckpt import checkpoint_info
 from k31jax.ckpt._orbax import load_stored
-from k31jax.conversion import write_synthetic_release
-from k31jax.conversion import _convert as convert_module
+from k31jax.ckpt import write_synthetic_release
+from k31jax.ckpt import _convert as convert_module
 
 EMBED = "language_model.model.embed_tokens.weight"
 
@@ -34,7 +34,7 @@ def release(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(release, tmp_path_factory):
     dst = tmp_path_factory.mktemp("ckpt") / "ck"
-    from k31jax.conversion import convert
+    from k31jax.ckpt import convert
 
     convert(release, dst, progress=False)
     return dst
@@ -249,7 +249,7 @@ def test_dst_appearing_during_the_run_with_overwrite_is_checked_again(src, monke
 
 
 def test_export_out_appearing_during_the_run(ckpt, monkeypatch, capsys):
-    from k31jax.conversion import _export
+    from k31jax.ckpt import _export
 
     out = ckpt.parent / "out"
     _appear_before_publishing(monkeypatch, out, _export)
@@ -418,7 +418,7 @@ def test_library_stop_event_stops_between_calls(src):
 
     import orbax.checkpoint.experimental.v1 as ocp1
 
-    from k31jax.conversion import Interrupted, convert
+    from k31jax.ckpt import Interrupted, convert
 
     stop, real, calls = threading.Event(), ocp1.partial.save, []
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_config
 from fault_util import one_error, run, tree_digest
-from k31jax.conversion import convert, write_synthetic_release
+from k31jax.ckpt import convert, write_synthetic_release
 
 
 @pytest.fixture(scope="module")

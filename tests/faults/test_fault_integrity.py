@@ -13,7 +13,7 @@ from conftest import tiny_config
 from fault_util import assert_clean, one_error, run, run_with_output, tree_digest
 from k31jax.ckpt import IntegrityError, load_checkpoint
 from k31jax.ckpt._manifest import MANIFEST_FILE, hash_file
-from k31jax.conversion import convert, verify_checkpoint, write_synthetic_release
+from k31jax.ckpt import convert, verify_checkpoint, write_synthetic_release
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from fault_util import TEMP_RE, assert_clean, run, tree_digest
 from k31jax.ckpt import checkpoint_info
-from k31jax.conversion import convert, synthetic_config, write_synthetic_release
+from k31jax.ckpt import convert, synthetic_config, write_synthetic_release
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from fault_util import assert_clean, one_error, run, run_bare, run_with_output, tree_digest
 from k31jax.ckpt import SafetensorsIndex, load_checkpoint
-from k31jax.conversion import convert, write_synthetic_release
+from k31jax.ckpt import convert, write_synthetic_release
 
 NORM = "language_model.model.layers.2.input_layernorm.weight"
 EMBED = "language_model.model.embed_tokens.weight"

@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from ..ckpt import CheckpointError
+from ._transforms import CheckpointError
 from ._progress import human_bytes
 
 # `.<label>.k31jax-tmp-<pid>-<hex8>`; `-export-tmp` is what earlier versions' export left.

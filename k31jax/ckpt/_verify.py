@@ -20,11 +20,12 @@ import threading
 import time
 from pathlib import Path
 
-from ..ckpt._manifest import (HASH_NAME, MANIFEST_FILE, check_checksums, check_sizes, read_manifest,
+from ._manifest import (HASH_NAME, MANIFEST_FILE, check_checksums, check_sizes, read_manifest,
                               require_manifest)
-from ..ckpt._orbax import checkpoint_config, checkpoint_info, flatten
-from ..ckpt._plan import CheckpointError, make_plan
-from ..ckpt._safetensors import TensorReader
+from ._orbax import checkpoint_config, checkpoint_info, flatten
+from ._plan import make_plan
+from ._transforms import CheckpointError
+from ._safetensors import TensorReader
 from ._convert import compare_with_source, read_source
 from ._destination import check_stop
 from ._progress import human_bytes, progress_bar

@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..ckpt._manifest import file_identity, hash_file
-from ..ckpt._orbax import quiet_orbax
+from ._manifest import file_identity, hash_file
+from ._orbax import quiet_orbax
 
 
 def _ocp():

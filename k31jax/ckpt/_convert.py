@@ -37,10 +37,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from ..ckpt._manifest import build_manifest, write_manifest
-from ..ckpt._orbax import ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, flatten, load_stored, quiet_orbax
-from ..ckpt._plan import CheckpointError, Plan, build_value, build_values, make_plan, unbuild_value
-from ..ckpt._safetensors import SAFETENSORS_DTYPES, SafetensorsIndex, TensorReader, no_gc
+from ._manifest import build_manifest, write_manifest
+from ._orbax import ASSETS_DIR, FORMAT, LAYOUT_FILE, META_KEY, flatten, load_stored, quiet_orbax
+from ._plan import Plan, make_plan
+from ._transforms import CheckpointError, build_value, build_values, unbuild_value
+from ._safetensors import SAFETENSORS_DTYPES, SafetensorsIndex, TensorReader, no_gc
 from ..config import ModelConfig
 from ..nn import abstract_model
 from ._destination import atomic_destination, check_stop, preflight

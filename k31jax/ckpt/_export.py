@@ -32,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ckpt._manifest import IntegrityError, check_checksums, check_sizes, read_manifest
-from ..ckpt._orbax import ASSETS_DIR, checkpoint_config, checkpoint_info, flatten, load_stored, read_layout
-from ..ckpt._plan import CheckpointError, Plan, make_plan, unbuild_value
-from ..ckpt._release_layout import release_layout
-from ..ckpt._safetensors import SAFETENSORS_DTYPE_NAMES, ShardWriter
+from ._manifest import IntegrityError, check_checksums, check_sizes, read_manifest
+from ._orbax import ASSETS_DIR, checkpoint_config, checkpoint_info, flatten, load_stored, read_layout
+from ._plan import Plan, make_plan
+from ._transforms import CheckpointError, unbuild_value
+from ._release_layout import release_layout
+from ._safetensors import SAFETENSORS_DTYPE_NAMES, ShardWriter
 from ._destination import atomic_destination, check_stop, preflight
 from ._orbax_save import fsync_tree
 from ._progress import human_bytes, progress_bar

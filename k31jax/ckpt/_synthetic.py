@@ -19,7 +19,6 @@ the real headers over unwritten (zero-cost) data: a full-size 1.56 TB K3 layout 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import zlib
@@ -29,11 +28,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ..ckpt._plan import make_plan, unbuild_value
-from ..ckpt._release_layout import hf_config_dict, release_layout, tensor_nbytes
-from ..ckpt._safetensors import SAFETENSORS_DTYPES, ShardWriter, no_gc
-from ..ckpt._transforms import get_path
-from ..config import ModelConfig, preset_dir
+from ._plan import make_plan
+from ._transforms import get_path, unbuild_value
+from ._release_layout import hf_config_dict, release_layout, tensor_nbytes
+from ._safetensors import SAFETENSORS_DTYPES, ShardWriter, no_gc
+from ..config import ModelConfig
 
 def random_tensor(name: str, dtype: str, shape, seed: int, cfg: ModelConfig) -> np.ndarray:
     """Plausible random values for one release tensor (finite, no NaN scales, zero A_log tail)."""
@@ -151,42 +150,3 @@ def bf16_exact(params: dict) -> dict:
             return x.astype(ml_dtypes.bfloat16).astype(x.dtype)
         return x
     return jax.tree.map(r, params)
-
-
-def _load_config(spec: str) -> tuple[ModelConfig, dict | None]:
-    path = Path(spec)
-    if not path.exists():
-        path = preset_dir() / f"{spec}.json"
-    raw = json.loads(path.read_text())
-    return ModelConfig.from_hf(raw), raw
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python convert/make_synthetic_release.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="folder to write")
-    p.add_argument("--config", default="tiny", help="preset name or path to a config.json (default tiny)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards", type=int, default=3, help="number of shards for --placement size")
-    p.add_argument("--placement", choices=("size", "release"), default="size")
-    p.add_argument("--vision", action="store_true", help="also write the vision tower and projector "
-                   "(from the config's vision_config)")
-    p.add_argument("--sparse", action="store_true", help="headers only; tensor data left as file holes")
-    p.add_argument("--bf16-experts", action="store_true", help="store routed experts as bf16 `.weight` "
-                   "(default: MXFP4 weight_packed/weight_scale when the widths allow)")
-    a = p.parse_args(argv)
-    cfg, raw = _load_config(a.config)
-    want = "bf16" if a.bf16_experts else "mxfp4"
-    if cfg.moe_layers and cfg.expert_weights != want:
-        cfg = cfg.replace(expert_weights=want)
-    vision = (raw or {}).get("vision_config") if a.vision else None
-    if a.vision and not vision:
-        p.error(f"--vision: {a.config} has no vision_config")
-    raw_out = raw if ModelConfig.from_hf(raw) == cfg and (a.vision or not raw.get("vision_config")) else None
-    out = write_synthetic_release(a.out, cfg, seed=a.seed, num_shards=a.shards, placement=a.placement,
-                        vision_config=vision, sparse=a.sparse, config_json=raw_out)
-    files = sorted(out.glob("*.safetensors"))
-    print(f"wrote {out}: {len(files)} shard(s), {sum(f.stat().st_size for f in files):,} bytes"
-          f"{' (sparse)' if a.sparse else ''}")
-    return 0
-

@@ -15,7 +15,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from ..ckpt._plan import Entry
+from ._transforms import Entry
 
 _BLOCK = 1 << 22  # elements per pass: 8-16 MB of scratch per temporary
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
