@@ -128,11 +128,11 @@ K2_MARKUP = Markup(("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 _SECTION_BEGIN, _SECTION_END = K2_MARKUP("<|tool_calls_section_begin|>"), K2_MARKUP("<|tool_calls_section_end|>")
 _CALL_BEGIN = K2_MARKUP("<|tool_call_begin|>")
 # In content, a section begin opens a section only when a call or the section end follows it
-# (after optional whitespace); otherwise it is a stray marker and stays text (§5 says nothing
+# (after optional whitespace); otherwise it is a stray marker and stays text (chat_format.md §5 says nothing
 # about removing one). Reasoning ends at any section begin (§5).
 _SECTION_OPEN = rf"{_SECTION_BEGIN}\s*(?={_CALL_BEGIN}|{_SECTION_END})"
 _ARG_BEGIN = K2_MARKUP.from_trusted("<|tool_call_argument_begin|>")
-# functions.NAME:IDX (§5); a malformed id loses only what is there of the prefix and index.
+# functions.NAME:IDX (chat_format.md §5); a malformed id loses only what is there of the prefix and index.
 _FUNC_ID = regex.compile(r"(?:functions\.)?(?P<name>.+?)(?::\d+)?", regex.DOTALL)
 
 

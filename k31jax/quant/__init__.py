@@ -1,6 +1,6 @@
 """MX number formats (MXFP4 / MXFP8) for k31jax.
 
-Spec: ``shared/spec/mx_formats.md``. Element formats "e2m1" (MXFP4), "e4m3" and
+Spec: ``docs/mx_formats.md``. Element formats "e2m1" (MXFP4), "e4m3" and
 "e5m2" (MXFP8), each with one E8M0 scale byte per block of 32 elements along one
 axis (by default the last, the contraction axis of ``[out, in]`` weights).
 

@@ -25,7 +25,7 @@ DEFAULT_BLOCK = 32
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-# Scale exponents are clamped to [-127, 127] (bytes 0x00..0xFE), §2 step 3.
+# Scale exponents are clamped to [-127, 127] (bytes 0x00..0xFE), mx_formats.md §2 step 3.
 SCALE_EXP_MIN = -127
 SCALE_EXP_MAX = 127
 
@@ -73,7 +73,7 @@ FORMATS: dict[str, ElemFormat] = {
     ),
 }
 
-# E2M1 code -> value (bit 3 = sign; code & 7 indexes the magnitudes), §1.1.
+# E2M1 code -> value (bit 3 = sign; code & 7 indexes the magnitudes), mx_formats.md §1.1.
 E2M1_VALUES: np.ndarray = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
