@@ -62,16 +62,16 @@ def k31jax_side(batch, prompt_len, steps):
 
     @jax.jit
     def prefill(state, cache, tokens):
-        logits, cache = nnx.merge(graphdef, state)(tokens, cache)
-        return jnp.argmax(logits[:, -1], -1), cache
+        out = nnx.merge(graphdef, state)(tokens, cache)
+        return jnp.argmax(out.logits[:, -1], -1), out.cache
 
     @jax.jit
     def decode_n(state, cache, token):
         def body(carry, _):
             tok, c = carry
-            logits, c = nnx.merge(graphdef, state)(tok[:, None], c)
-            nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-            return (nxt, c), nxt
+            out = nnx.merge(graphdef, state)(tok[:, None], c)
+            nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+            return (nxt, out.cache), nxt
         (_, cache), toks = jax.lax.scan(body, (token.astype(jnp.int32), cache), None, length=steps)
         return toks, cache
 

@@ -94,7 +94,7 @@ def k31jax_side(batch, context, new_tokens, chunk):
     # prefill program as the chunks of the full context (and the same cache / decode shapes).
     warm = [p[: min(context, chunk)] for p in prompts]
     engine.generate(warm, 2, stop_ids=frozenset())
-    decode = next(v for k, v in engine._programs.items() if k[0] == "decode")
+    decode = engine.core.programs.programs_of("decode")[0]
     cost = decode.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
 

@@ -266,7 +266,7 @@ EXPERT_TOKENS = (4, 8, 16, 64, 512)
 def bench_expert_forward(repeats: int) -> list[str]:
     """Routed-expert forward time: packed MXFP4 (dequantised in-graph) vs bf16 weights holding
     the same values, at decode token counts (4-64) and one prefill-like count (512), each with
-    the form `routed_experts(impl="auto")` picks (the model's choice), the two sides alternating.
+    the form `routed_experts(form="auto")` picks (the model's choice), the two sides alternating.
     """
     from k31jax.ops import MXFP4Weight, routed_experts
 
@@ -280,7 +280,7 @@ def bench_expert_forward(repeats: int) -> list[str]:
                             for a in (w if isinstance(w, tuple) else (w,)))
     lines = [f"routed-expert forward: {e} experts [{inter} x {ell}] x3, top-{k}, bf16 activations; "
              f"weights {nbytes(dense) / 2**20:.0f} MiB bf16 vs {nbytes(packed) / 2**20:.0f} MiB packed; "
-             f"impl as routed_experts(impl='auto') picks it",
+             f"form as routed_experts(form='auto') picks it",
              f"{'tokens':>8} {'impl':>8} {'bf16 ms':>26} {'mxfp4 ms':>26} {'bf16/mxfp4':>11}  equal"]
     for n_tok in EXPERT_TOKENS:
         impl = "gather" if n_tok * k < e else "blocked"  # routed_experts' "auto" on CPU at these sizes

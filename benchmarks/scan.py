@@ -77,7 +77,8 @@ def build(cfg, batch: int, prompt: int, decode_steps: int, names=FORMS):
         weights = unstack_layers(state) if name == "rows" else state
         scan = name == "scanned"
         def call(w, t, cache, scan=scan):
-            return nnx.merge(graphdef, w)(t, cache, scan_layers=scan)
+            out = nnx.merge(graphdef, w)(t, cache, scan_layers=scan)
+            return out.logits, out.cache
 
         jitted = jax.jit(call, donate_argnums=2)
         cache = model.init_cache(batch, max_len)

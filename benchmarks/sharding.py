@@ -49,7 +49,7 @@ def bench_moe(tokens: int, experts: int, repeats: int) -> dict:
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((8, tokens // 8, cfg.hidden_size)),
                                    jnp.float32), jax.NamedSharding(mesh, jax.P("expert")))
     with sharding.activate(mesh):
-        steps = {name: nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep))[0])
+        steps = {name: nnx.jit(lambda m, x, ep=ep: m(x, backends=Backends(ep=ep)).output)
                  for name, ep in (("ep_shard_map", "dense"), ("naive_allgather", "off"))}
         stats = alternate({name: timed(lambda step=step: step(moe, x)) for name, step in steps.items()}, repeats)
         a, b = (steps[name](moe, x) for name in ("ep_shard_map", "naive_allgather"))
@@ -70,7 +70,7 @@ def bench_compile() -> dict:
     out = {"layers": cfg.num_hidden_layers, "kda": len(cfg.kda_layers), "mla": len(cfg.mla_layers)}
     with sharding.activate(mesh):
         for name, scan in (("scanned", True), ("unrolled", False)):
-            f = jax.jit(lambda st, t, scan=scan: nnx.merge(graphdef, st)(t, None, scan_layers=scan)[0])
+            f = jax.jit(lambda st, t, scan=scan: nnx.merge(graphdef, st)(t, None, scan_layers=scan).logits)
             t0 = time.perf_counter()
             lowered = f.lower(state, tokens)
             t1 = time.perf_counter()

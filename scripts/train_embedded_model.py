@@ -19,7 +19,7 @@
    are printed and stored in `corpus.json`.
 4. `--install`: the distilled run's `final/release` (bf16, routed experts packed MXFP4, the
    tokenizer) is copied into `k31jax/assets/embedded/` with `SHA256SUMS`, which
-   `tests/test_embedded_model.py` checks.
+   `tests/project/test_embedded_model.py` checks.
 """
 
 from __future__ import annotations

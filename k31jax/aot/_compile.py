@@ -269,10 +269,10 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     state = expert_words(state)  # the layout the engine runs on an accelerator
     cache = abstract_cache(cfg, batch, context)
     cache = _placed(cache, cache_shardings(cache, m, rules))
-    jitted, _ = engine_program(step)
+    jitted = engine_program(step).jitted
     if step == "decode":
-        token, sampler, force = _replicated(abstract_decode_inputs(cfg.vocab_size, batch), m)
-        args = (graphdef, backends, state, cache, token, sampler, force)
+        token, sampler, token_rules = _replicated(abstract_decode_inputs(cfg.vocab_size, batch), m)
+        args = (graphdef, backends, state, cache, token, sampler, token_rules)
         tokens = batch
     else:
         tokens_in = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)

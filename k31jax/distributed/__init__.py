@@ -9,7 +9,7 @@ Typical use::
     model = distributed.load_sharded(orbax_dir, mesh)            # or: restore a converted checkpoint
     cache = distributed.init_sharded_cache(cfg, batch, max_len, mesh)
     with sharding.activate(mesh):                                # mesh + its rule table
-        logits, cache = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)
+        out = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)   # ModelOutput: logits, cache
     print(distributed.plan_memory("k31_pro", "expert=8,tensor=8", batch=8, context=1 << 20).table("b300"))
 
 The training planner's choices (`OPTIMIZERS`, `TRAINABLE_SETS`, `MASTER_DTYPES`) are the ones

@@ -14,7 +14,7 @@ What `k31jax.train` holds per device during `train_step`, term by term:
   momentum per Muon matrix and AdamW moments for the other trained leaves; frozen leaves
   (`set_to_zero`) and the router bias (never trained by gradient) keep nothing. Plus the
   optax step counters. Exact; the labels mirror `k31jax.train.param_labels` (checked in
-  tests/test_plan_train.py).
+  tests/distributed/test_plan_train.py).
 - **activations** for one micro-batch of `micro_batch` rows x `seq_len` tokens: an analytic
   estimate of the values JAX saves for the backward pass (`jax.ad_checkpoint` residuals) of
   this implementation's XLA paths (what a multi-device mesh runs), derived from the code:
@@ -35,7 +35,7 @@ What `k31jax.train` holds per device during `train_step`, term by term:
   intermediates by `tensor`, experts and their dispatch buffers by the expert-parallel plan
   (`k31jax.ops.make_ep_plan`, worst-case receive capacity). The KDA and attention internals
   are counted in fp32 (their XLA paths compute there), the rest in the master dtype, which is
-  also the compute dtype of a training run. tests/test_plan_train.py checks the saved terms
+  also the compute dtype of a training run. tests/distributed/test_plan_train.py checks the saved terms
   within 5% of `saved_residuals` of a small model (and of one expert-parallel MoE layer on
   a CPU mesh). XLA's own fusion and buffer reuse are not modelled: read the activations as
   the saved-residual footprint, not a profiler's peak.

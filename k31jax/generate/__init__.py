@@ -1,6 +1,11 @@
-"""Generation: a jitted prefill/decode engine with sampling, stop handling, a thinking budget,
-streaming text and structured events, and a multi-turn chat session.
+"""Generation: a jitted prefill/decode core with sampling, stop handling, a thinking budget,
+streaming text and structured events, two loops over it, and a multi-turn chat session.
 
+- ``GenerationCore``: the model's generation state and verbs (prefill, first token, decode,
+  slot insert / compact / snapshot / restore), every program from one table
+  (``engine_program(kind)`` for `k31jax.aot`), per-row ``TokenRules`` on the next token,
+  outputs as typed structs (``Prefilled``, ``Step``, ``Logprobs``). ``Engine`` and
+  ``Scheduler`` are loops over it.
 - ``Engine(model, tokenizer, max_len=..., prefill_chunk=...)``: ``generate`` / ``stream`` over
   token-id prompts or ``Request``s; compiled once per (batch, length bucket).
 - ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
@@ -17,21 +22,25 @@ streaming text and structured events, and a multi-turn chat session.
   ``ProcessSync`` runs it multi-host (process 0 decides, every process steps the same batch).
 """
 
-from ._engine import Engine, GenerationResult, abstract_decode_inputs, bucket_length, engine_program, plan_prefill
+from ._core import GenerationCore
+from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
+from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
 from ._healing import heal_prompt
 from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model, load_tokenizer, tokenizer_dir
+from ._logits import TokenRules
 from ._multihost import ProcessSync
-from ._requests import Completion, Request, StreamDelta
 from ._prefix import PrefixCache
+from ._programs import Logprobs, Prefilled, Step, abstract_decode_inputs, engine_program
+from ._requests import Completion, Request, StreamDelta
 from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
-from ._scheduler import (Failed, Finished, Handle, QueueFullError, Scheduler, TokenEvent, TokenLogprob,
-                         ToolChoice, TurnPlan, Warmup)
+from ._scheduler import Scheduler
 from ._session import ChatSession, TurnResult
+from ._warmup import Warmup
 
 __all__ = [
-    "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationResult",
-    "Handle", "LoadedModel", "PrefixCache", "ProcessSync", "QueueFullError", "Request", "SamplerState", "SamplingParams",
-    "Scheduler", "StreamDelta", "TokenEvent", "TokenLogprob", "ToolChoice", "TurnPlan", "TurnResult", "Warmup",
+    "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationCore", "GenerationResult",
+    "Handle", "LoadedModel", "Logprobs", "Prefilled", "PrefixCache", "ProcessSync", "QueueFullError", "Request",
+    "SamplerState", "SamplingParams", "Scheduler", "Step", "StreamDelta", "TokenEvent", "TokenLogprob", "TokenRules", "ToolChoice", "TurnPlan", "TurnResult", "Warmup",
     "abstract_decode_inputs", "bucket_length", "embedded_model_dir", "engine_program", "heal_prompt", "load_model",
     "load_tokenizer", "plan_prefill", "sample_logits", "sample_tokens", "tokenizer_dir",
 ]

@@ -12,6 +12,8 @@ same everywhere, so no sampled token is ever sent between processes.
 The broadcast is ``jax.experimental.multihost_utils.broadcast_one_to_all`` (a collective over
 the processes' devices): the plan's length, then its bytes. The bytes are a pickle that only
 process 0 of the same job writes, over the job's own collective (not a network input).
+
+``to_host`` reads a device array on every process alike (sampled ids, snapshot arrays).
 """
 
 from __future__ import annotations
@@ -40,3 +42,11 @@ class ProcessSync:
         buf = np.frombuffer(data, np.uint8) if self.leader else np.zeros((size,), np.uint8)
         got = multihost_utils.broadcast_one_to_all(buf)
         return plan if self.leader else pickle.loads(np.asarray(got, np.uint8).tobytes())
+
+
+def to_host(x) -> np.ndarray:
+    """A device array's value on this host. An array sharded across processes (multi-host) is
+    gathered first: a collective, so every process reads the same arrays in the same order."""
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

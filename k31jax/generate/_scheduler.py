@@ -1,4 +1,5 @@
-"""Continuous batching over a slot cache (``_slots``), in one background thread.
+"""Continuous batching over a slot cache (``_slots``), in one background thread: a loop over
+the generation core (``_core``; its own ``fork()``, so its compile counts are its own).
 
 Requests join and leave between decode steps. One waiting request at a time is prefilled on a
 batch-1 scratch cache, one chunk per loop turn between decode steps (all chunks at once when
@@ -8,7 +9,8 @@ and parser (``RowController``), so a greedy request produces the same tokens alo
 busy batch. Every program has a fixed shape (``max_batch`` rows, prefill widths from one fixed
 set, one scratch length), so nothing recompiles after ``warmup``. Images: the vision model runs once per request when
 its prefill starts (its program compiles once per patch-count bucket, at the bucket's first image),
-and with a vision model every chunk runs the image prefill program, pads or not (``Engine.prefill_args``).
+and with a vision model every chunk runs the image prefill program, pads or not
+(``GenerationCore.prefill_call``).
 
 Warm-up: ``warmup()`` compiles every program from shapes alone before serving;
 ``start_warmup()`` does it on background threads while the scheduler already serves (a
@@ -35,7 +37,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import itertools
 import queue
 import threading
 import time
@@ -45,116 +46,19 @@ import jax
 import numpy as np
 
 from ._forcing import ToolChoiceForcer
+from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
 from ._healing import first_token_mask
 from ._images import chunk_splice, image_digest
+from ._logits import TokenRules
+from ._multihost import to_host
 from ._prefix import PrefixCache, image_prefix_key
-from ._requests import FINISH_LENGTH, Completion, Request, RowController, StreamDelta
-from ._sampling import SamplingParams, sampler_arrays
-from ._slots import SlotPrograms, abstract, to_host
+from ._programs import Logprobs, shapes_of
+from ._requests import FINISH_LENGTH, Request, RowController
+from ._sampling import SamplingParams
+from ._warmup import Warmup
 
 MAX_ALLOWED = 64  # widest tool-name branch constrained on device (wider ones sample freely)
 MAX_BANNED = 4
-
-
-class QueueFullError(RuntimeError):
-    """The bounded queue is full (a server answers 429 with Retry-After)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolChoice:
-    """``mode``: "none" | "required" | "named"; ``names``: declared tools; ``name``: the forced one."""
-
-    mode: str
-    names: tuple[str, ...] = ()
-    name: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (id, logprob), best first
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    delta: StreamDelta
-    logprob: TokenLogprob | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    completion: Completion
-    cached_tokens: int  # prompt tokens restored from the prefix cache
-    ttft_seconds: float
-    total_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    error: BaseException
-
-
-class Handle:
-    """One submitted request. ``sink`` receives its events (default: an internal queue read by
-    ``events()`` / ``result()``)."""
-
-    _ids = itertools.count()
-
-    def __init__(self, request: Request, tool_choice: ToolChoice | None, logprobs: bool,
-                 sink: Callable[[object], None] | None):
-        self.id = next(self._ids)
-        self.request, self.tool_choice, self.logprobs = request, tool_choice, logprobs
-        self._queue: queue.Queue | None = None
-        if sink is None:
-            self._queue = queue.Queue()
-            sink = self._queue.put
-        self.sink = sink
-        self.cancelled = False
-        self.submitted = time.perf_counter()
-
-    @classmethod
-    def mirror(cls, id_: int, request: Request, tool_choice: ToolChoice | None, logprobs: bool) -> "Handle":
-        """A follower's copy of process 0's handle ``id_`` (multi-host): same request, no client."""
-        h = cls(request, tool_choice, logprobs, sink=_discard)
-        h.id = id_
-        return h
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def events(self, timeout: float | None = None):
-        """Yield ``TokenEvent``s, then return the ``Finished`` (raises a ``Failed`` error)."""
-        while True:
-            item = self._queue.get(timeout=timeout)
-            if isinstance(item, Failed):
-                raise item.error
-            if isinstance(item, Finished):
-                return item
-            yield item
-
-    def result(self, timeout: float | None = None) -> Finished:
-        it = self.events(timeout)
-        while True:
-            try:
-                next(it)
-            except StopIteration as stop:
-                return stop.value
-
-
-def _discard(item: object) -> None:
-    """The sink of a follower's handle: its client is served by process 0."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TurnPlan:
-    """What process 0's scheduler broadcasts each loop turn (multi-host serving): the requests
-    it admitted, as ``(handle id, Request, ToolChoice | None, logprobs)``, and the ids it
-    cancelled; or a heartbeat while idle (``idle``); or the end (``stop``)."""
-
-    new: tuple[tuple, ...] = ()
-    cancelled: frozenset[int] = frozenset()
-    idle: bool = False
-    stop: bool = False
 
 
 @dataclasses.dataclass
@@ -180,76 +84,6 @@ class _Prefill:
     image_rows: np.ndarray | None = None  # the request's projected image rows [M, D]
     next_row: list = dataclasses.field(default_factory=lambda: [0])  # first image row not yet spliced
     history_chunk: int | None = None  # after this call the prompt's first `snapshot_at` tokens are stored
-
-
-class Warmup:
-    """The scheduler's warm-up (``Scheduler.warmup`` / ``start_warmup``): its steps run on
-    worker threads, the next free worker taking the next step. ``done`` / ``left``: step labels
-    (``left`` includes those compiling now); ``ready`` once every step ran; ``error``: the first
-    failure (the remaining steps are skipped, and compile on first use instead)."""
-
-    def __init__(self, steps: Sequence[tuple[str, Callable[[], object]]], context: contextvars.Context,
-                 on_done: Callable[["Warmup"], None] | None = None):
-        self._steps = collections.deque(steps)
-        self.left: list[str] = [label for label, _ in steps]
-        self.done: list[str] = []
-        self.error: BaseException | None = None
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-        self._context, self._on_done = context, on_done
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._active = 0
-
-    @property
-    def running(self) -> bool:
-        return self.finished is None
-
-    @property
-    def ready(self) -> bool:
-        return self.finished is not None and not self.left and self.error is None
-
-    @property
-    def seconds(self) -> float:
-        return (self.finished if self.finished is not None else time.perf_counter()) - self.started
-
-    def start(self, workers: int, mesh, stopped: Callable[[], bool]) -> None:
-        """`workers` threads, each in a copy of `context` (one context cannot be entered by two
-        threads at once) under `mesh`, until the steps run out or `stopped()`."""
-        self._active = max(1, min(workers, len(self._steps)))
-        for i in range(self._active):
-            t = threading.Thread(target=self._context.copy().run, args=(self._work, mesh, stopped),
-                                 name=f"k31jax-warmup-{i}", daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join()
-
-    def _work(self, mesh, stopped: Callable[[], bool]) -> None:
-        with contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh):
-            while not stopped():
-                with self._lock:
-                    if not self._steps or self.error is not None:
-                        break
-                    label, step = self._steps.popleft()
-                try:
-                    step()
-                except Exception as exc:  # noqa: BLE001 - reported by `error`; requests compile what they need
-                    with self._lock:
-                        self.error = self.error or exc
-                    break
-                with self._lock:
-                    self.left.remove(label)
-                    self.done.append(label)
-        with self._lock:
-            self._active -= 1
-            last = self._active == 0
-            if last:
-                self.finished = time.perf_counter()
-        if last and self._on_done is not None:
-            self._on_done(self)
 
 
 def prefill_widths(chunk: int) -> list[int]:
@@ -319,7 +153,6 @@ class Scheduler:
         if max_batch < 1 or max_queue < 1 or min_snapshot < 1:
             raise ValueError(f"max_batch={max_batch}, max_queue={max_queue}, min_snapshot={min_snapshot}: "
                              "each must be >= 1")
-        self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.chunk = prefill_chunk or min(engine.prefill_chunk, 256)
@@ -331,7 +164,8 @@ class Scheduler:
         self._mesh = jax.sharding.get_mesh()
         self._context = contextvars.copy_context()
         self.max_len = engine.max_len
-        self.programs = SlotPrograms(engine, max_batch, engine.max_len + self.chunk)
+        self.scratch_len = engine.max_len + self.chunk  # a prompt's prefill cache (its last call may overrun)
+        self.core = engine.core.fork()
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.vocab = engine.config.vocab_size
         self._inbox: queue.Queue[Handle] = queue.Queue()
@@ -349,12 +183,17 @@ class Scheduler:
         self._warmup: Warmup | None = None
         self._reset_device_state()
 
+    @property
+    def compile_counts(self) -> collections.Counter[str]:
+        """Programs compiled per kind by this scheduler (stable once warmed up)."""
+        return self.core.programs.compile_counts
+
     # ---- lifecycle ----------------------------------------------------------------------
     def _reset_device_state(self) -> None:
         b = self.max_batch
-        self.cache = self.programs.new_cache(b, self.max_len)
+        self.cache = self.core.new_cache(b, self.max_len)
         self.pos = 0
-        self.sampler = self.programs.init_sampler(sampler_arrays([SamplingParams()] * b, [[0]] * b, self.vocab))
+        self.sampler = self.core.new_sampler([SamplingParams()] * b, [[0]] * b)
         self.host_tokens = np.zeros((b,), np.int32)
 
     def start(self) -> "Scheduler":
@@ -380,13 +219,13 @@ class Scheduler:
         `workers` threads, running none of them; afterwards nothing compiles again. Multi-host
         (``sync``): every process runs it before serving, so all of them plan alike. Returns
         compile seconds (summed over the workers)."""
-        before = self.programs.compile_seconds
+        before = self.core.programs.compile_seconds
         warm = Warmup(self.warmup_steps(), self._context)
         warm.start(workers, self._mesh, lambda: self._stop)
         warm.join()
         if warm.error is not None:
             raise warm.error
-        return self.programs.compile_seconds - before
+        return self.core.programs.compile_seconds - before
 
     def start_warmup(self, workers: int = 1, on_done: Callable[["Warmup"], None] | None = None) -> "Warmup":
         """``warmup`` on background threads while the scheduler already serves: a request that
@@ -408,31 +247,30 @@ class Scheduler:
         """(label, compile it) for every serving program, what the first request needs first:
         the full-width prefill, decode, the first token, insertion, snapshots, restore,
         compaction, then the narrower prefill widths. Programs run on shapes only
-        (``SlotPrograms``, ``abstract``); a step that needs another's outputs compiles or waits
+        (``ProgramCache``, ``shapes_of``); a step that needs another's outputs compiles or waits
         for it first, so the steps may run in any order, on several threads."""
-        progs, b = self.programs, self.max_batch
-        scratch = progs.abstract_cache(1, progs.scratch_len)
-        cache, sampler = abstract(self.cache), abstract(self.sampler)
+        core, b = self.core, self.max_batch
+        scratch = core.abstract_cache(1, self.scratch_len)
+        cache, sampler = shapes_of(self.cache), shapes_of(self.sampler)
 
         def prefill(width: int = self.chunk):
-            return progs.prefill_chunk(scratch, np.zeros((1, width), np.int32), np.ones((1, width), bool))
+            return core.prefill(scratch, core.prefill_call(np.zeros((1, width), np.int32), np.ones((1, width), bool)))
 
         def first():
-            force, allowed, banned = _constraints([(None, None)])
-            arrays = sampler_arrays([SamplingParams()], [[0]], self.vocab)
-            mask = first_token_mask(self.tokenizer, [b""], self.vocab)[0]
-            return progs.first(prefill()[0], arrays, int(force[0]), allowed[0], banned[0], mask)
+            rules = _token_rules([(None, None)]).with_mask(first_token_mask(self.tokenizer, [b""], self.vocab))
+            return core.first(prefill().logits, [SamplingParams()], [[0]], rules, with_logprobs=True)
 
         def decode():
-            return progs.decode(cache, np.zeros((b,), np.int32), sampler, *_constraints([(None, None)] * b))
+            return core.decode(cache, np.zeros((b,), np.int32), sampler, _token_rules([(None, None)] * b),
+                               with_logprobs=True)
 
         steps = [(f"prefill {self.chunk}", prefill), ("decode", decode), ("first token", first),
-                 ("insert", lambda: progs.insert(cache, prefill()[1], 0, 0)),
-                 ("sampler insert", lambda: progs.sampler_insert(sampler, first()[1], 0)),
-                 ("prompt snapshot", lambda: progs.compile_snapshot(prefill()[1])),
-                 ("turn-end snapshot", lambda: progs.compile_snapshot(decode()[1])),
-                 ("restore", lambda: progs.compile_restore(progs.compile_snapshot(prefill()[1]))),
-                 ("compact", lambda: progs.compact(decode()[1], np.zeros((b,), bool)))]
+                 ("insert", lambda: core.insert(cache, prefill().cache, 0, 0)),
+                 ("sampler insert", lambda: core.insert_sampler_row(sampler, first().sampler, 0)),
+                 ("prompt snapshot", lambda: core.compile_snapshot(prefill().cache)),
+                 ("turn-end snapshot", lambda: core.compile_snapshot(decode().cache)),
+                 ("restore", lambda: core.compile_restore(core.compile_snapshot(prefill().cache), self.scratch_len)),
+                 ("compact", lambda: core.compact(decode().cache, np.zeros((b,), bool)))]
         return steps + [(f"prefill {w}", functools.partial(prefill, w)) for w in prefill_widths(self.chunk)[1:]]
 
     # ---- submission ---------------------------------------------------------------------
@@ -442,12 +280,9 @@ class Scheduler:
         if n + req.max_new_tokens > self.max_len:
             raise ValueError(f"prompt of {n} tokens + max_tokens {req.max_new_tokens} exceeds the "
                              f"context length {self.max_len}")
-        bad = sorted({t for t in req.prompt if not 0 <= t < self.vocab})
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:10]} outside the vocabulary [0, {self.vocab})")
         if req.chat_format != "k3" and req.thinking_budget is not None:
             raise ValueError("the server's thinking budget supports the K3 format only")
-        self.engine.check_images(req)
+        self.core.check(req)
 
     def submit(self, req: Request, *, tool_choice: ToolChoice | None = None, logprobs: bool = False,
                sink: Callable[[object], None] | None = None) -> Handle:
@@ -583,18 +418,18 @@ class Scheduler:
     def _start_prefill(self, h: Handle) -> None:
         req = h.request
         prompt = list(req.prompt)
-        pad_id = self.engine.media_pad_id
+        pad_id = self.core.media_pad_id
         key = image_prefix_key(prompt, pad_id, [(image_digest(im), im.num_tokens) for im in req.images])
         snap = self.prefix.longest_prefix(key) if self.prefix.max_bytes else None
         planned = self._plan_prefill(prompt, len(snap.tokens), req.snapshot_at) if snap is not None else None
         if planned is None:  # nothing stored, or (warm-up) a resumed plan needs a width not compiled yet
             snap, planned = None, self._plan_prefill(prompt, 0, req.snapshot_at)
         if snap is not None:
-            scratch, cached = self.programs.restore(snap), len(snap.tokens)
+            scratch, cached = self.core.restore(snap, self.scratch_len), len(snap.tokens)
         else:
-            scratch, cached = self.programs.new_cache(1, self.programs.scratch_len), 0
+            scratch, cached = self.core.new_cache(1, self.scratch_len), 0
         chunks, history_chunk = planned
-        rows = self.engine.image_rows(req)  # the vision model, once per request
+        rows = self.core.image_rows(req)  # the vision model, once per request
         first_row = sum(t == pad_id for t in prompt[:cached]) if rows is not None else 0
         self._prefill = _Prefill(h, scratch, chunks, cached, key=key, image_rows=rows, next_row=[first_row],
                                  history_chunk=history_chunk)
@@ -619,7 +454,7 @@ class Scheduler:
         (each compiled on first use)."""
         if self._warmup is None or not self._warmup.running:
             return None
-        return self.programs.prefill_widths | {self.chunk}
+        return self.core.programs.prefill_widths | {self.chunk}
 
     def _prefill_step(self, all_chunks: bool) -> None:
         p = self._prefill
@@ -628,10 +463,11 @@ class Scheduler:
             splice_ids = spliced = None
             if p.image_rows is not None:  # the pads of this chunk take the request's next image rows
                 splice_ids = np.where(valid, tokens, -1)
-                spliced = chunk_splice(splice_ids, [p.image_rows], p.next_row, self.engine.media_pad_id)
-            p.logits, p.scratch = self.programs.prefill_chunk(p.scratch, tokens, valid, splice_ids, spliced)
+                spliced = chunk_splice(splice_ids, [p.image_rows], p.next_row, self.core.media_pad_id)
+            prefilled = self.core.prefill(p.scratch, self.core.prefill_call(tokens, valid, splice_ids, spliced))
+            p.logits, p.scratch = prefilled.logits, prefilled.cache
             if p.next_chunk == p.history_chunk:  # the conversation so far, before its closing notes
-                self.prefix.put(self.programs.snapshot(p.scratch, 0, p.key[:p.handle.request.snapshot_at]))
+                self.prefix.put(self.core.snapshot(p.scratch, 0, p.key[:p.handle.request.snapshot_at]))
             p.next_chunk += 1
             if not all_chunks:
                 break
@@ -642,53 +478,49 @@ class Scheduler:
     def _join(self, p: _Prefill) -> None:
         h, req = p.handle, p.handle.request
         slot = self.rows.index(None)
-        budget = (self.engine._budget(req.chat_format, req.thinking_budget)
-                  if req.thinking_budget is not None else None)
-        ctl = RowController(slot, req, self.tokenizer, self.engine.stop_ids, budget)
+        ctl = self.core.controller(slot, req)
         tc = h.tool_choice
         forcer = None if tc is None else ToolChoiceForcer(
             self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
             max_new_tokens=req.max_new_tokens)
         n = len(req.prompt)
-        force, allowed, banned = _constraints([(ctl, forcer)])
-        arrays = sampler_arrays([req.params], [req.prompt], self.vocab)
-        mask = first_token_mask(self.tokenizer, [req.healed_prefix], self.vocab)[0]
-        token, row_sampler, lp = self.programs.first(p.logits, arrays, int(force[0]), allowed[0], banned[0], mask)
+        rules = _token_rules([(ctl, forcer)]).with_mask(first_token_mask(self.tokenizer, [req.healed_prefix],
+                                                                         self.vocab))
+        step = self.core.first(p.logits, [req.params], [req.prompt], rules, with_logprobs=True)
         self.pos = max(self.pos, n)
-        self.cache = self.programs.insert(self.cache, p.scratch, slot, self.pos)
-        self.sampler = self.programs.sampler_insert(self.sampler, row_sampler, slot)
-        tok = int(to_host(token)[0])
+        self.cache = self.core.insert(self.cache, p.scratch, slot, self.pos)
+        self.sampler = self.core.insert_sampler_row(self.sampler, step.sampler, slot)
+        tok = int(to_host(step.token)[0])
         row = _Row(h, ctl, forcer, n, p.cached_tokens, time.perf_counter(), key=p.key)
         self.rows[slot] = row
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += n
         self.stats["cached_tokens"] += p.cached_tokens
         self.ttft_seconds.append(row.t_first - h.submitted)
-        self._push(slot, tok, lp, 0)
+        self._push(slot, tok, step.logprobs, 0)
         # The prompt's snapshot (the scratch is not donated to `insert`) is taken after the
         # first token went out, so copying it to the host adds nothing to time to first token.
         if n >= self.min_snapshot and self.prefix.max_bytes:
-            self.prefix.put(self.programs.snapshot(p.scratch, 0, p.key))
+            self.prefix.put(self.core.snapshot(p.scratch, 0, p.key))
 
     # ---- decode -------------------------------------------------------------------------
     def _decode_step(self) -> None:
         live = np.asarray([r is not None for r in self.rows])
         if self.pos >= self.max_len:
-            self.cache = self.programs.compact(self.cache, live)
+            self.cache = self.core.compact(self.cache, live)
             self.pos = int(to_host(self.cache.pos))
             self.stats["compactions"] += 1
-        force, allowed, banned = _constraints(
-            [(r.ctl, r.forcer) if r is not None else (None, None) for r in self.rows])
-        token, self.cache, self.sampler, lp = self.programs.decode(
-            self.cache, self.host_tokens, self.sampler, force, allowed, banned)
+        rules = _token_rules([(r.ctl, r.forcer) if r is not None else (None, None) for r in self.rows])
+        step = self.core.decode(self.cache, self.host_tokens, self.sampler, rules, with_logprobs=True)
+        self.cache, self.sampler = step.cache, step.sampler
         self.pos += 1
-        host = to_host(token)
+        host = to_host(step.token)
         self._token_times.append((time.perf_counter(), int(live.sum())))
         for slot, r in enumerate(self.rows):
             if r is not None:
-                self._push(slot, int(host[slot]), lp, slot)
+                self._push(slot, int(host[slot]), step.logprobs, slot)
 
-    def _push(self, slot: int, tok: int, lp, lp_row: int) -> None:
+    def _push(self, slot: int, tok: int, lp: Logprobs, lp_row: int) -> None:
         r = self.rows[slot]
         self.host_tokens[slot] = tok
         delta = r.ctl.push(tok)
@@ -696,7 +528,7 @@ class Scheduler:
             r.forcer.push(tok)
         logprob = None
         if r.handle.logprobs:
-            chosen, top_ids, top_lp = (to_host(a) for a in lp)
+            chosen, top_ids, top_lp = to_host(lp.chosen), to_host(lp.top_ids), to_host(lp.top)
             logprob = TokenLogprob(float(chosen[lp_row]),
                                    tuple(zip(top_ids[lp_row].tolist(), top_lp[lp_row].tolist())))
         self.stats["generated_tokens"] += 1
@@ -710,7 +542,7 @@ class Scheduler:
         gen = r.ctl.tokens
         fed = list(r.key) + gen[:-1]  # the last id was never fed to the model
         if len(gen) > 1 and len(fed) >= self.min_snapshot and self.prefix.max_bytes:
-            self.prefix.put(self.programs.snapshot(self.cache, slot, fed))
+            self.prefix.put(self.core.snapshot(self.cache, slot, fed))
         now = time.perf_counter()
         completion = r.ctl.completion(r.prompt_tokens)
         if r.forcer is not None and r.forcer.cut:  # max_new_tokens closed the call early, not the model
@@ -719,9 +551,9 @@ class Scheduler:
                                r.t_first - r.handle.submitted, now - r.handle.submitted))
 
 
-def _constraints(rows: Sequence[tuple[RowController | None, ToolChoiceForcer | None]]):
-    """Per-row (force [B], allowed [B, MAX_ALLOWED], banned [B, MAX_BANNED]) for the next step:
-    the thinking budget's forced id first, then the tool-choice forcer's constraints."""
+def _token_rules(rows: Sequence[tuple[RowController | None, ToolChoiceForcer | None]]) -> TokenRules:
+    """Each row's rules for its next token (``MAX_ALLOWED`` allowed and ``MAX_BANNED`` banned
+    ids at most): the thinking budget's forced id first, then the tool-choice forcer's."""
     b = len(rows)
     force = np.full((b,), -1, np.int32)
     allowed = np.full((b, MAX_ALLOWED), -1, np.int32)
@@ -737,5 +569,5 @@ def _constraints(rows: Sequence[tuple[RowController | None, ToolChoiceForcer | N
         if allow is not None and len(allow) <= MAX_ALLOWED:
             allowed[i, :len(allow)] = allow
         banned[i, :min(len(ban), MAX_BANNED)] = ban[:MAX_BANNED]
-    return force, allowed, banned
+    return TokenRules(force, allowed, banned)
 

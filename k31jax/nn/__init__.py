@@ -4,19 +4,20 @@ cache pytree, and counts computed on the abstract model (`abstract_model`: nothi
 `param`, `normal` and `constant` create parameters annotated with logical axis names (sharded
 eagerly under an active mesh): the modules here and the vision tower build with them."""
 
-from ._cache import CACHE_AXES, Cache, constrain_cache, init_cache
+from ._cache import CACHE_AXES, Cache, KDALayerCache, MLALayerCache, constrain_cache, init_cache
 from ._experts_format import dequantize_experts, quantize_experts
-from ._ffn import DenseMLP, LatentMoE, PackedExperts
+from ._ffn import DenseMLP, LatentMoE, MoEOutput, PackedExperts, Routing
 from ._kda_layer import KDAMixer
+from ._layer_stack import LAYER_STACKS, REMAT_POLICIES, expert_words, unstack_layers
 from ._mla_layer import Indexer, MLAMixer
-from ._model import (INTERMEDIATES, LAYER_STACKS, REMAT_POLICIES, K31ForCausalLM, LayerNorms, abstract_model,
-                     expert_words, unstack_layers)
+from ._model import INTERMEDIATES, HiddenOutput, K31ForCausalLM, LayerNorms, ModelOutput, abstract_model
 from ._param import constant, normal, param
 from ._sizes import ParamCount, count_params
 
 __all__ = [
-    "CACHE_AXES", "Cache", "DenseMLP", "INTERMEDIATES", "Indexer", "K31ForCausalLM", "KDAMixer", "LAYER_STACKS",
-    "LatentMoE", "LayerNorms", "MLAMixer", "PackedExperts", "ParamCount", "REMAT_POLICIES", "abstract_model",
-    "constant", "constrain_cache", "count_params", "dequantize_experts", "init_cache", "normal", "param",
-    "quantize_experts", "unstack_layers", "expert_words",
+    "CACHE_AXES", "INTERMEDIATES", "LAYER_STACKS", "REMAT_POLICIES", "Cache", "DenseMLP", "HiddenOutput", "Indexer",
+    "K31ForCausalLM", "KDALayerCache", "KDAMixer", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
+    "ModelOutput", "MoEOutput", "PackedExperts", "ParamCount", "Routing", "abstract_model", "constant",
+    "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "normal", "param",
+    "quantize_experts", "unstack_layers",
 ]

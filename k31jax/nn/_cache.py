@@ -3,6 +3,10 @@
 Per layer kind, one stacked array per entry, indexed by the layer's slot among layers of
 that kind. Block AttnRes needs no persistent state: every step rebuilds its snapshots.
 Every leaf names its logical axes (`CACHE_AXES`), as every parameter does.
+
+A mixer takes and returns its own layer's cache: `KDALayerCache` (that layer's rows) and
+`MLALayerCache` (the whole MLA stacks plus the layer's row index, so the mixer writes its new
+latents into the stacks in place; see `MLAMixer`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,55 @@ class Cache:
 
     def replace(self, **changes) -> "Cache":
         return dataclasses.replace(self, **changes)
+
+    def kda_layer(self, slot) -> "KDALayerCache":
+        """The cache of the KDA layer at `slot` of the KDA stack."""
+        return KDALayerCache(self.kda_state[slot], self.kda_conv[slot])
+
+    def with_kda_layer(self, slot, layer: "KDALayerCache") -> "Cache":
+        return self.replace(kda_state=self.kda_state.at[slot].set(layer.state),
+                            kda_conv=self.kda_conv.at[slot].set(layer.conv))
+
+    def mla_layer(self, slot) -> "MLALayerCache":
+        """The cache of the MLA layer at `slot`: the whole stacks and the row it owns."""
+        return MLALayerCache(self.mla_ckv, self.mla_kpe, self.index_keys, slot)
+
+    def with_mla_layer(self, layer: "MLALayerCache") -> "Cache":
+        return self.replace(mla_ckv=layer.ckv, mla_kpe=layer.kpe, index_keys=layer.index_keys)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDALayerCache:
+    """One KDA layer's cache (kda.md §8).
+
+    state  `[B, H, dk, dv]` fp32, key-major recurrent state.
+    conv   `[B, 3, H·dk, K-1]` fp32, last K-1 pre-conv q/k/v inputs, oldest first.
+    """
+
+    state: Float[Array, "B H dk dv"]
+    conv: Float[Array, "B 3 C Km1"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLALayerCache:
+    """One MLA layer's cache (attention.md §1.4). In the model: the stacks of every MLA layer
+    and this layer's row in them (`layer`). Handing a layer its own rows would copy them out
+    of the stacks, and writing them back copy the stacks: 3.2 GB per step on a TPU chip at
+    128k tokens (`k31jax compile`); the mixer instead writes its row of the stacks in place.
+    With `layer` None the arrays are the layer's own, without the leading `Lm` axis.
+
+    ckv         `[Lm, B, S, kv_lora_rank]` post-norm latents.
+    kpe         `[Lm, B, S, qk_rope_head_dim]` raw k_pe.
+    index_keys  `[Lm, B, S, index_head_dim]` indexer keys (None without the indexer).
+    layer       this layer's row (an int, or traced inside the scan over layers), or None.
+    """
+
+    ckv: Float[Array, "*Lm B S r"]
+    kpe: Float[Array, "*Lm B S dr"]
+    index_keys: Float[Array, "*Lm B S dI"] | None
+    layer: Int[Array, ""] | int | None = None
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:

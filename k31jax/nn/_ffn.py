@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from ..config import ModelConfig
 from ..ops import (Backends, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
@@ -45,6 +48,24 @@ def _ep_plan(ep: str, n_tokens: int, weights):
     if ep == "off" or jax.sharding.get_abstract_mesh().empty:
         return None
     return make_ep_plan(n_tokens, weights, exchange=ep)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Each token's chosen experts `[B, T, K]` and their combine weights `[B, T, K]` fp32."""
+
+    experts: Int[Array, "B T K"]
+    weights: Float[Array, "B T K"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEOutput:
+    """What `LatentMoE` returns: its output `[B, T, D]` and the routing that produced it."""
+
+    output: Float[Array, "B T D"]
+    routing: Routing
 
 
 class DenseMLP(nnx.Module):
@@ -100,8 +121,9 @@ class LatentMoE(nnx.Module):
         b, t, d = x.shape
         return router_scores(x.reshape(b * t, d), self.gate[...], self.cfg.moe_router_activation_func).reshape(b, t, -1)
 
-    def __call__(self, x, *, backends: Backends | None = None, expert_row=None):
-        """x `[B, T, D]` -> (y `[B, T, D]`, chosen experts `[B, T, K]`, their weights).
+    def __call__(self, x, *, backends: Backends | None = None, expert_row=None) -> MoEOutput:
+        """x `[B, T, D]` -> `MoEOutput` (y `[B, T, D]`, the routing: chosen experts `[B, T, K]`
+        and their weights).
 
         expert_row: set when the routed experts hold a whole layer stack (`LAYER_STACKS`) and
         this layer is its row `expert_row` (the model's inference layer step: a decode step
@@ -124,7 +146,7 @@ class LatentMoE(nnx.Module):
         ws = tuple(_weight_value(w, expert_row) for w in (self.w_gate, self.w_up, self.w_down))
         plan = _ep_plan(backends.ep, b * t, ws)
         if plan is None:
-            u = routed_experts(u_in, idx, weights, *ws, impl=backends.moe, kernels=backends.kernels, **kwargs)
+            u = routed_experts(u_in, idx, weights, *ws, form=backends.moe, kernels=backends.kernels, **kwargs)
         else:
             u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, local=backends.moe, **kwargs)
         u = u.astype(x.dtype)
@@ -135,4 +157,4 @@ class LatentMoE(nnx.Module):
         if self.shared is not None:
             u = u + self.shared(flat)
         k = idx.shape[-1]
-        return u.reshape(b, t, d), idx.reshape(b, t, k), weights.reshape(b, t, k)
+        return MoEOutput(u.reshape(b, t, d), Routing(idx.reshape(b, t, k), weights.reshape(b, t, k)))

@@ -9,6 +9,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..ops import Backends, kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, l2_normalize, short_conv
+from ._cache import KDALayerCache
 from ._param import constant, dt_bias_init, normal, param, uniform
 
 
@@ -52,24 +53,26 @@ class KDAMixer(nnx.Module):
         self.o_norm = constant((dk,), 1.0, jnp.float32, ("norm",))
         self.o_proj = normal(rngs, (c, d), std, dt, ("heads", "embed"))
 
-    def __call__(self, x, state=None, conv=None, valid=None, *, backends: Backends | None = None,
-                 segment_ids=None):
-        """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, state, conv).
+    def __call__(self, x, cache: KDALayerCache | None = None, valid=None, *, backends: Backends | None = None,
+                 segment_ids=None) -> tuple[jax.Array, KDALayerCache]:
+        """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, the continued cache).
 
-        state `[B, H, dk, dv]` fp32 and conv `[B, 3, C, K-1]` (pre-conv q/k/v inputs, oldest
-        first) continue a sequence; None starts one. `valid` `[B, T]` marks real tokens:
-        padded positions become identity steps (no decay, no write, zero conv input).
+        cache (the recurrent state `[B, H, dk, dv]` fp32 and the conv window `[B, 3, C, K-1]`,
+        pre-conv q/k/v inputs, oldest first) continues a sequence; None starts one. `valid`
+        `[B, T]` marks real tokens: padded positions become identity steps (no decay, no write,
+        zero conv input).
         T == 1 takes the recurrent step, longer inputs the chunked form. backends: `kernels` is
         the ops' seam (default `Backends()`: the Pallas kernels on a GPU, XLA elsewhere).
         segment_ids `[B, T]` int (packed training rows: 1, 2, ... per contiguous document, 0 =
         padding): the state and conv windows reset at each document start, so every document
         computes exactly what it would alone; padding outputs are zero. Fresh rows only (no
-        state / conv); the returned state and conv are the row's last document's. Runs the XLA
-        path of the recurrence (the kernel takes no segments).
+        cache); the returned cache is the row's last document's. Runs the XLA path of the
+        recurrence (the kernel takes no segments).
         """
-        if segment_ids is not None and (state is not None or conv is not None):
+        if segment_ids is not None and cache is not None:
             raise ValueError("KDAMixer: segment_ids (packed rows) start fresh sequences; it cannot "
                              "be combined with a state / conv cache")
+        state, conv = (None, None) if cache is None else (cache.state, cache.conv)
         kernels = (backends or Backends()).kernels
         b, t, _ = x.shape
         h, dk = self.num_heads, self.head_dim
@@ -99,4 +102,4 @@ class KDAMixer(nnx.Module):
         gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
         o = (o * self.o_norm[...] * gate).reshape(b, t, h * dk).astype(x.dtype)
-        return o @ self.o_proj[...], state, jnp.stack(new_hist, axis=1)
+        return o @ self.o_proj[...], KDALayerCache(state, jnp.stack(new_hist, axis=1))

@@ -9,6 +9,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..ops import (Backends, indexer_keys, indexer_queries, mla_attention, mla_attention_absorbed,
                    mla_attention_sparse, rms_norm, select_topk, selection_mask)
+from ._cache import MLALayerCache
 from ._param import constant, normal
 
 _LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
@@ -98,40 +99,39 @@ class MLAMixer(nnx.Module):
         w = self.kv_b_proj[...].reshape(self.r, self.num_heads, self.dn + self.dv)
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
 
-    def __call__(self, x, c_kv_cache=None, k_pe_cache=None, index_cache=None, *, pos=0,
-                 key_valid=None, backends: Backends | None = None, segment_ids=None, layer=None):
-        """x `[B, T, D]` -> (y, c_kv_cache, k_pe_cache, index_cache).
+    def __call__(self, x, cache: MLALayerCache | None = None, *, pos=0, key_valid=None,
+                 backends: Backends | None = None, segment_ids=None) -> tuple[jax.Array, MLALayerCache | None]:
+        """x `[B, T, D]` -> (y, the cache with the new latents written).
 
-        Without caches the T tokens attend among themselves. With caches (`[B, S, ·]`), the new
-        latents are written at `pos` and the queries (absolute positions pos..pos+T-1) attend
-        over the whole buffer; `key_valid [B, S]` marks written, non-padding slots (it must
-        already include the new tokens). backends: `sparse` picks the selected attention's form,
-        `kernels` the ops' seam for the sparse attention and the top-k (default `Backends()`).
-        segment_ids `[B, T]` int (packed training rows: 1, 2, ... per contiguous document, 0 =
-        padding; no caches): a query attends, and the indexer selects, only within its own
-        document, so every document computes exactly what it would alone; padding outputs are
-        zero before o_proj.
-        layer: the caches are the whole stacks `[L, B, S, ·]` of every MLA layer and this layer
-        is row `layer`: the new latents are written into the stacks in place and the keys read
-        from its row, and the stacks come back. A layer's cache handed over as its own array
-        is a copy of it, and writing it back a copy of the stack: 3.2 GB per step on a TPU chip
-        at 128k tokens (`k31jax compile`).
+        Without a cache the T tokens attend among themselves (and None comes back). With one
+        (`[B, S, ·]` buffers), the new latents are written at `pos` and the queries (absolute
+        positions pos..pos+T-1) attend over the whole buffer; `key_valid [B, S]` marks written,
+        non-padding slots (it must already include the new tokens). A cache with `layer` set
+        holds the stacks of every MLA layer: the new latents are written into row `layer` in
+        place and the keys read from it (`MLALayerCache`). backends: `sparse` picks the
+        selected attention's form, `kernels` the ops' seam for the sparse attention and the
+        top-k (default `Backends()`). segment_ids `[B, T]` int (packed training rows: 1, 2, ...
+        per contiguous document, 0 = padding; no cache): a query attends, and the indexer
+        selects, only within its own document, so every document computes exactly what it
+        would alone; padding outputs are zero before o_proj.
         """
-        if segment_ids is not None and c_kv_cache is not None:
+        if segment_ids is not None and cache is not None:
             raise ValueError("MLAMixer: segment_ids (packed rows) is for the no-cache path; it "
                              "cannot be combined with c_kv / k_pe / index caches")
         backends = backends or Backends()
-        sparse_impl = backends.sparse
+        sparse_form = backends.sparse
         b, t, _ = x.shape
         h, dn = self.num_heads, self.dn
         c_q, c_kv, k_pe = self.latents(x)
         q_nope, q_pe = self.queries(x, c_q)
         idx_k = self.indexer.keys(x).astype(x.dtype) if self.indexer is not None else None
-        if c_kv_cache is None:
+        if cache is None:
             keys_ckv, keys_kpe, keys_idx = c_kv, k_pe, idx_k
             if key_valid is None:
                 key_valid = jnp.ones((b, t), bool)
         else:
+            layer = cache.layer
+
             def upd(buf, new):
                 if layer is None:
                     return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), pos, axis=1)
@@ -140,10 +140,9 @@ class MLAMixer(nnx.Module):
             def row(buf):
                 return buf if layer is None or buf is None else jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)
 
-            c_kv_cache, k_pe_cache = upd(c_kv_cache, c_kv), upd(k_pe_cache, k_pe)
-            if idx_k is not None:
-                index_cache = upd(index_cache, idx_k)
-            keys_ckv, keys_kpe, keys_idx = row(c_kv_cache), row(k_pe_cache), row(index_cache)
+            cache = MLALayerCache(upd(cache.ckv, c_kv), upd(cache.kpe, k_pe),
+                                  cache.index_keys if idx_k is None else upd(cache.index_keys, idx_k), layer)
+            keys_ckv, keys_kpe, keys_idx = row(cache.ckv), row(cache.kpe), row(cache.index_keys)
         s_len = keys_ckv.shape[1]
         q_pos = pos + jnp.arange(t)
         mask = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
@@ -156,9 +155,9 @@ class MLAMixer(nnx.Module):
             sel_idx, sel_valid = select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
                                              key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
                                              segment_ids=segment_ids)
-            if sparse_impl == "auto":
-                sparse_impl = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
-        if select and sparse_impl == "gather":
+            if sparse_form == "auto":
+                sparse_form = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
+        if select and sparse_form == "gather":
             o = mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
                                      sel_valid, self.scale, impl=backends.kernels, segment_ids=segment_ids)
         else:
@@ -174,4 +173,4 @@ class MLAMixer(nnx.Module):
         o = o.reshape(b, t, h * self.dv)
         if self.use_gate:
             o = o * jax.nn.sigmoid((x @ self.g_proj[...]).astype(jnp.float32))
-        return o.astype(x.dtype) @ self.o_proj[...], c_kv_cache, k_pe_cache, index_cache
+        return o.astype(x.dtype) @ self.o_proj[...], cache

@@ -3,14 +3,15 @@
 Dtype policy: inputs may be bf16; every "fp32 island" named in the spec (norm statistics,
 gates, KDA recurrence, attention softmax, router, MoE combine) upcasts internally.
 
-The hot paths have one kernel seam (`impl`, resolved by `resolve_impl`: the Pallas kernels of
-`k31jax.kernels` or the XLA path); the model and the engine take the whole choice as one
-`Backends` object. `ep_routed_experts` runs the routed experts expert-parallel under a mesh.
+The hot paths have one kernel seam (`impl: Impl`, resolved by `resolve_impl`: the Pallas
+kernels of `k31jax.kernels` or the XLA path); the forms of one computation have their own
+names and types (`routed_experts(form: MoeForm)`, `SparseForm`, `EpExchange`). The model and
+the engine take the whole choice as one `Backends` object. `ep_routed_experts` runs the routed experts expert-parallel under a mesh.
 """
 
 from ._activations import glu, situ_glu, swiglu
 from ._attn_res import attn_res_mix
-from ._impl import IMPLS, Backends, resolve_impl
+from ._impl import IMPLS, MOE_FORMS, Backends, EpExchange, Impl, ImplChoice, MoeForm, SparseForm, resolve_impl
 from ._indexer import indexer_keys, indexer_queries, indexer_scores, select_topk, selection_mask
 from ._kda import kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, short_conv, softplus_thresholded
 from ._mla import absorb_query, mla_attention, mla_attention_absorbed, mla_attention_logits, mla_attention_sparse
@@ -21,7 +22,8 @@ from ._norms import l2_normalize, layer_norm, rms_norm
 from ._router import route, router_scores
 
 __all__ = [
-    "EXCHANGES", "EPPlan", "IMPLS", "Backends", "ep_routed_experts", "make_ep_plan", "ragged_exchange", "resolve_impl",
+    "EXCHANGES", "EPPlan", "EpExchange", "IMPLS", "Impl", "ImplChoice", "MOE_FORMS", "MoeForm", "SparseForm",
+    "Backends", "ep_routed_experts", "make_ep_plan", "ragged_exchange", "resolve_impl",
     "MXFP4Weight", "absorb_query", "attn_res_mix", "blocked_rows", "combine", "glu", "grouped_matmul",
     "grouped_matmul_blocked",
     "indexer_keys", "indexer_queries", "indexer_scores", "kda_chunked", "kda_gate",

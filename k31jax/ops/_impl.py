@@ -1,4 +1,4 @@
-"""The ops' one kernel seam: `impl ∈ {"xla", "pallas", "interpret"}`, or None / "auto".
+"""The ops' one kernel seam: `impl ∈ {"xla", "pallas", "interpret"}` (`Impl`), or None / "auto".
 
 - "xla": the op's jnp path — the reference the kernels are tested against;
 - "pallas": the Pallas-Triton kernel of `k31jax.kernels`, compiled for the GPU;
@@ -20,6 +20,11 @@ The kernels have no backward pass of their own: `with_reference_grad` gives a ke
 gradient of the XLA path (recomputed in the backward pass), so training through `impl="pallas"`
 differentiates exactly like the reference.
 
+`impl` names only this seam. The other choices of `Backends` are forms of one computation,
+each typed by its own `Literal`: `MoeForm` (the routed experts' grouped matmul,
+`routed_experts(form=)`), `SparseForm` (the selected MLA attention) and `EpExchange` (the
+expert-parallel token exchange).
+
 `kernel_or_reference` is how the ops call a kernel: under "pallas" it first compiles the kernel
 alone for the arguments' shapes (once per kernel, static settings and shapes); if that fails on
 this backend and jax version, the op runs its XLA path and one warning names the kernel and
@@ -31,23 +36,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import typing
 import warnings
+from typing import Literal
 
 import jax
 
 from ..kernels import lowering_only
 
-IMPLS = ("xla", "pallas", "interpret")
+Impl = Literal["xla", "pallas", "interpret"]            # a resolved choice of the kernel seam
+ImplChoice = Literal["auto", "xla", "pallas", "interpret"]  # what callers pass ("auto" / None resolve)
+MoeForm = Literal["auto", "ragged", "blocked", "gather", "selected"]
+SparseForm = Literal["auto", "mask", "gather"]
+EpExchange = Literal["auto", "ragged", "dense", "allgather", "off"]
+IMPLS: tuple[Impl, ...] = typing.get_args(Impl)
+MOE_FORMS: tuple[MoeForm, ...] = typing.get_args(MoeForm)
+SPARSE_FORMS: tuple[SparseForm, ...] = typing.get_args(SparseForm)
+EP_EXCHANGES: tuple[EpExchange, ...] = typing.get_args(EpExchange)
 KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
-MOE_FORMS = ("auto", "ragged", "blocked", "gather", "selected")
-SPARSE_FORMS = ("auto", "mask", "gather")
-EP_EXCHANGES = ("auto", "ragged", "dense", "allgather", "off")
 
 
-def _kernels_from_env() -> str:
+def _kernels_from_env() -> ImplChoice:
     value = os.environ.get("K31JAX_KERNELS") or "auto"
     if value not in (*IMPLS, "auto"):
         raise ValueError(f"K31JAX_KERNELS={value!r}: expected one of {IMPLS} or 'auto'")
@@ -81,10 +93,10 @@ class Backends:
       experts to the partitioner). Without a mesh it changes nothing.
     """
 
-    kernels: str = dataclasses.field(default_factory=_kernels_from_env)
-    moe: str = "auto"
-    sparse: str = "auto"
-    ep: str = "auto"
+    kernels: ImplChoice = dataclasses.field(default_factory=_kernels_from_env)
+    moe: MoeForm = "auto"
+    sparse: SparseForm = "auto"
+    ep: EpExchange = "auto"
 
     def __post_init__(self):
         _check_choice("kernels", self.kernels, (*IMPLS, "auto"))
@@ -102,7 +114,7 @@ def _per_device() -> bool:
     return all(size == 1 or name in manual for name, size in zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def resolve_impl(impl: str | None, kernel: str, *, supported: bool = True) -> str:
+def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True) -> Impl:
     """The implementation to run for `kernel` (one of `KERNELS`). `supported=False` (shapes the
     kernel does not take) turns "auto" into "xla"; an explicit "pallas"/"interpret" is left for
     the kernel to refuse."""
@@ -164,7 +176,7 @@ def _kernel_compiles(name: str, kernel, args: tuple) -> bool:
     return _COMPILES[key]
 
 
-def kernel_or_reference(name: str, impl: str, kernel, reference, *, grad: bool = True):
+def kernel_or_reference(name: str, impl: Impl, kernel, reference, *, grad: bool = True):
     """The callable an op runs for `impl` ("pallas" / "interpret"): `kernel` differentiated as
     `reference` (`grad=False`: `kernel` as is, for discrete outputs), or under "pallas", when
     the kernel does not compile for these arguments here, `reference` itself (one warning per

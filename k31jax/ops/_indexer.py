@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import sparse_mla
-from ._impl import kernel_or_reference, resolve_impl
+from ._impl import ImplChoice, kernel_or_reference, resolve_impl
 from ._mla import key_document_ids, same_document
 from ._norms import layer_norm
 
@@ -53,7 +53,7 @@ def select_topk(
     top_k: int,
     key_block: int | None = None,
     *,
-    impl: str | None = None,
+    impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import kda_chunk
-from ._impl import kernel_or_reference, resolve_impl
+from ._impl import ImplChoice, kernel_or_reference, resolve_impl
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -125,7 +125,7 @@ def kda_recurrent(
     beta: Float[Array, "B T H"],
     initial_state: Float[Array, "B H dk dv"] | None = None,
     *,
-    impl: str | None = None,
+    impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
@@ -180,7 +180,7 @@ def kda_chunked(
     initial_state: Float[Array, "B H dk dv"] | None = None,
     chunk_size: int = 64,
     *,
-    impl: str | None = None,
+    impl: ImplChoice | None = None,
     lower_bound: float | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import sparse_mla
-from ._impl import kernel_or_reference, resolve_impl
+from ._impl import ImplChoice, kernel_or_reference, resolve_impl
 from ._kda import check_segment_ids
 
 _HI = jax.lax.Precision.HIGHEST
@@ -147,7 +147,7 @@ def mla_attention_sparse(
     valid: Bool[Array, "B T K"],
     scale: float,
     *,
-    impl: str | None = None,
+    impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T H dv"]:

@@ -18,7 +18,7 @@ from ..kernels import mxfp4_matmul
 from ..quant import fake_quant as fake_quant_weight
 from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
-from ._impl import kernel_or_reference, resolve_impl
+from ._impl import MOE_FORMS, ImplChoice, MoeForm, kernel_or_reference, resolve_impl
 
 
 ExpertWeight = Array | MXFP4Weight
@@ -65,7 +65,7 @@ def grouped_matmul(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False,
     *,
-    impl: str | None = "xla",
+    impl: ImplChoice | None = "xla",
 ) -> Float[Array, "M out"]:
     """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc).
 
@@ -204,8 +204,8 @@ def routed_experts(
     hidden_act: str = "situ",
     beta_gate: float = 4.0,
     beta_up: float | None = 25.0,
-    impl: str = "auto",
-    kernels: str | None = None,
+    form: MoeForm = "auto",
+    kernels: ImplChoice | None = None,
     weight_fake_quant: bool = False,
     activation_fake_quant: bool = False,
 ) -> Float[Array, "N d"]:
@@ -215,58 +215,70 @@ def routed_experts(
     float weights to MXFP4 (QAT); `activation_fake_quant` rounds each GEMM input to MXFP8
     (E4M3, rceil scales, blocks of 32 along the contraction axis).
 
-    impl="ragged": dropless sort + `ragged_dot` over all experts (prefill, training on GPU/TPU).
-    impl="blocked": the same sort, then one batched matmul over expert-homogeneous row blocks
+    form="ragged": dropless sort + `ragged_dot` over all experts (prefill, training on GPU/TPU).
+    form="blocked": the same sort, then one batched matmul over expert-homogeneous row blocks
     of `blocked_rows` rows (CPU).
-    impl="gather": gather each assignment's weights and run a batched matmul; reads only the
+    form="gather": gather each assignment's weights and run a batched matmul; reads only the
     chosen experts, which is what decode with few tokens wants on CPU.
-    impl="selected": the same sort, then a loop over the chosen experts only, each expert's
+    form="selected": the same sort, then a loop over the chosen experts only, each expert's
     weight decoded (bf16) right before its rows' matmuls (`visit_selected_experts`): what
     decode wants on an accelerator, where the gather form copies and decodes a weight per
     assignment. Not reverse-differentiable (a dynamic loop); training uses float experts.
-    impl="pallas" | "interpret": the same sort, then the Pallas MXFP4 grouped matmul of
-    `k31jax.kernels.mxfp4_matmul` (gate and up fused in one launch); float weights fall back
-    to `ragged_dot`.
-    impl="auto": for MXFP4 weights, the kernel whenever the seam `kernels` resolves to one
-    (`_impl.resolve_impl`: None picks it on a GPU); otherwise, with fewer assignments than
-    experts, "gather" on CPU and for float experts, "selected" for packed experts on other
-    platforms (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a
-    CPU host gets it); else "blocked" on CPU and "ragged" elsewhere.
+    form="auto": for MXFP4 weights, whenever the kernel seam `kernels` resolves to a kernel
+    (`_impl.resolve_impl`: None / "auto" picks it on a GPU; "pallas" / "interpret" force it),
+    the same sort, then the Pallas MXFP4 grouped matmul of `k31jax.kernels.mxfp4_matmul`
+    (gate and up fused in one launch); otherwise, with fewer assignments than experts,
+    "gather" on CPU and for float experts, "selected" for packed experts on other platforms
+    (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a CPU host gets
+    it); else "blocked" on CPU and "ragged" elsewhere. The named forms are XLA paths.
     """
+    if form not in MOE_FORMS:
+        raise ValueError(f"routed_experts form={form!r}: expected one of {MOE_FORMS}")
     n, k = idx.shape
     options = dict(hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up, kernels=kernels,
                    weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
-    if impl == "auto":
-        kernel = resolve_impl(kernels, "mxfp4_gmm", supported=packed)
-        if packed and kernel != "xla":
-            impl = kernel
+    kernel = "xla"  # the grouped matmuls' implementation: a kernel for packed experts under "auto" only
+    if form == "auto":
+        if packed:
+            kernel = resolve_impl(kernels, "mxfp4_gmm")
+        if kernel != "xla":
+            form = "ragged"  # the ragged form's sort, the kernel's grouped matmul
         elif n * k < num_experts and packed:
             return jax.lax.platform_dependent(
                 x, idx, weights, w_gate, w_up, w_down,
-                cpu=functools.partial(routed_experts, impl="gather", **options),
-                default=functools.partial(routed_experts, impl="selected", **options))
+                cpu=functools.partial(routed_experts, form="gather", **options),
+                default=functools.partial(routed_experts, form="selected", **options))
         elif n * k < num_experts:
-            impl = "gather"
+            form = "gather"
         else:
             # XLA:CPU's ragged_dot does ~E dense matmuls; worth avoiding once they are big
             big = num_experts * n * k * x.shape[-1] * w_gate.shape[1] > 1 << 26
-            impl = "blocked" if big and jax.default_backend() == "cpu" else "ragged"
+            form = "blocked" if big and jax.default_backend() == "cpu" else "ragged"
 
     def act(g, u):
         return glu(g, u, hidden_act, beta_gate, beta_up)
 
-    if impl != "selected":  # every other form reads whole layers
+    if form != "selected":  # every other form reads whole layers
         w_gate, w_up, w_down = (w.layer() if isinstance(w, MXFP4Weight) else w for w in (w_gate, w_up, w_down))
 
     def qin(a):
         return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
 
-    if impl in ("ragged", "blocked"):
+    if kernel != "xla":
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
-        if impl == "ragged":
+        g, u = kernel_or_reference(
+            "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel),
+            lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
+            xs, w_gate.as_bytes(), w_up.as_bytes(), sizes)
+        y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel)
+        return combine(y, order, weights)
+    if form in ("ragged", "blocked"):
+        xs, order, sizes = permute(x, idx, num_experts)
+        xs = qin(xs)
+        if form == "ragged":
             matmul = grouped_matmul
         else:
             matmul = functools.partial(grouped_matmul_blocked, block=blocked_rows(n * k, num_experts))
@@ -276,19 +288,7 @@ def routed_experts(
 
         h = act(gmm(xs, w_gate), gmm(xs, w_up))
         return combine(gmm(qin(h), w_down), order, weights)
-    if impl in ("pallas", "interpret"):
-        xs, order, sizes = permute(x, idx, num_experts)
-        xs = qin(xs)
-        if isinstance(w_gate, MXFP4Weight) and isinstance(w_up, MXFP4Weight):
-            g, u = kernel_or_reference(
-                "mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=impl),
-                lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
-                xs, w_gate.as_bytes(), w_up.as_bytes(), sizes)
-        else:
-            g, u = (grouped_matmul(xs, w, sizes, weight_fake_quant) for w in (w_gate, w_up))
-        y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=impl)
-        return combine(y, order, weights)
-    if impl == "selected":
+    if form == "selected":
         xs, order, sizes = permute(x, idx, num_experts)
 
         def expert_rows(rows, e):
@@ -302,19 +302,16 @@ def routed_experts(
         d_out = w_down.shape[1]
         y = visit_selected_experts(xs, sizes, expert_window(n, n * k), expert_rows, d_out, x.dtype)
         return combine(y, order, weights)
-    if impl == "gather":
-        flat = idx.reshape(-1)
-        xs = qin(jnp.repeat(x, k, axis=0))
+    # form == "gather"
+    flat = idx.reshape(-1)
+    xs = qin(jnp.repeat(x, k, axis=0))
 
-        def bmm(inp, w):
-            if weight_fake_quant:  # quantise each expert once, before the per-assignment gather
-                w = materialize(w, inp.dtype, fake_quant=True)
-            wm = materialize(take_experts(w, flat), inp.dtype)
-            return jnp.einsum("mi,moi->mo", inp, wm, preferred_element_type=jnp.float32).astype(inp.dtype)
+    def bmm(inp, w):
+        if weight_fake_quant:  # quantise each expert once, before the per-assignment gather
+            w = materialize(w, inp.dtype, fake_quant=True)
+        wm = materialize(take_experts(w, flat), inp.dtype)
+        return jnp.einsum("mi,moi->mo", inp, wm, preferred_element_type=jnp.float32).astype(inp.dtype)
 
-        h = act(bmm(xs, w_gate), bmm(xs, w_up))
-        y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
-        return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y,
-                          precision=jax.lax.Precision.HIGHEST)
-    raise ValueError(f"routed_experts impl={impl!r}: expected 'auto', 'ragged', 'blocked', 'gather', "
-                     "'selected', 'pallas' or 'interpret'")
+    h = act(bmm(xs, w_gate), bmm(xs, w_up))
+    y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
+    return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)

@@ -57,21 +57,21 @@ def _axis(axes: tuple[str, ...]):
 
 
 def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                    axis_name, impl: str):
-    """`jax.lax.ragged_all_to_all` semantics, by `impl` ("ragged" | "dense" | "allgather").
+                    axis_name, exchange: str):
+    """`jax.lax.ragged_all_to_all` semantics, by `exchange` ("ragged" | "dense" | "allgather").
 
     For every peer j, rows `operand[input_offsets[j] : + send_sizes[j]]` land in peer j's
     `output` at `output_offsets[j]` (an offset chosen by the sender); `recv_sizes[j]` is what
     this device gets from j. Rows of `output` nobody writes keep their value.
     """
-    if impl == "ragged":
+    if exchange == "ragged":
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                          recv_sizes, axis_name=axis_name)
     a = operand.shape[0]
     j = jnp.arange(a, dtype=jnp.int32)
     trail = (1,) * (operand.ndim - 1)
     oob = output.shape[0]  # scatter index that `mode="drop"` discards
-    if impl == "dense":
+    if exchange == "dense":
         # slab[d, i] = operand[input_offsets[d] + i] for i < send_sizes[d]: capacity a per peer
         src = input_offsets[:, None] + j[None, :]
         ok = j[None, :] < send_sizes[:, None]
@@ -80,7 +80,7 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
         where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # offsets s chose for me
         dst = jnp.where(j[None, :] < recv_sizes[:, None], where[:, None] + j[None, :], oob)
         return output.at[dst.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
-    if impl == "allgather":
+    if exchange == "allgather":
         me = jax.lax.axis_index(axis_name)
         ops = jax.lax.all_gather(operand, axis_name)                 # [P, a, ...]
         start = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where s's rows for me begin
@@ -89,7 +89,7 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
         ok = (j[None, :] >= start[:, None]) & (j[None, :] < (start + size)[:, None])
         dst = jnp.where(ok, where[:, None] + j[None, :] - start[:, None], oob)
         return output.at[dst.reshape(-1)].set(ops.reshape((-1,) + operand.shape[1:]), mode="drop")
-    raise ValueError(f"exchange impl={impl!r}: expected one of {EXCHANGES}")
+    raise ValueError(f"exchange={exchange!r}: expected one of {EXCHANGES}")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -251,7 +251,7 @@ def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
         out_off = _excl_cumsum(sizes, axis=0)[me]        # where my rows start at each peer
         recv = sizes[:, me]
         cap = p * a                                      # worst case: every peer sends me all
-        ex = functools.partial(ragged_exchange, axis_name=ax, impl=plan.exchange)
+        ex = functools.partial(ragged_exchange, axis_name=ax, exchange=plan.exchange)
         rows = ex(xs, jnp.zeros((cap,) + xs.shape[1:], xs.dtype), in_off, send, out_off, recv)
         rid = ex(es, jnp.full((cap,), -1, jnp.int32), in_off, send, out_off, recv)
         valid = jnp.arange(cap) < jnp.sum(recv)

@@ -45,6 +45,6 @@ def render_metrics(s) -> str:
     _line(out, "k31jax_cache_compactions_total", "counter", "Slot-cache compactions.", st["compactions"])
     out.append("# HELP k31jax_compiles_total Programs compiled, per kind (stable after warm-up).")
     out.append("# TYPE k31jax_compiles_total counter")
-    for kind, n in sorted(s.programs.compile_counts.items()):
+    for kind, n in sorted(s.compile_counts.items()):
         out.append(f'k31jax_compiles_total{{kind="{kind}"}} {n}')
     return "\n".join(out) + "\n"

@@ -10,7 +10,7 @@ the memory planner and multi-process setup are one layer up, in `k31jax.distribu
     mesh = sharding.make_mesh(expert=4, tensor=2)
     model = distributed.load_sharded(orbax_dir, mesh)
     with sharding.activate(mesh):                                # mesh + its rule table
-        logits, cache = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)
+        out = nnx.jit(lambda m, t, c: m(t, c))(model, tokens, cache)   # ModelOutput: logits, cache
 """
 
 from ._mesh import abstract_mesh, activate, make_mesh, mesh_str, parse_mesh, place_host_array

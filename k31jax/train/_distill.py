@@ -166,8 +166,9 @@ def indexer_distill_terms(
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    hidden, _, per_layer = model.hidden_states(tokens, segment_ids=segment_ids, backends=backends, remat=remat,
-                                               collect=tuple(dict.fromkeys(("attn_in", *collect))))
+    out = model.hidden_states(tokens, segment_ids=segment_ids, backends=backends, remat=remat,
+                              collect=tuple(dict.fromkeys(("attn_in", *collect))))
+    hidden, per_layer = out.hidden, out.intermediates
     rows = np.asarray(cfg.mla_layers)
     layer_inputs = jax.lax.stop_gradient(per_layer["attn_in"][rows])
     input_norms = model.norms.input_norm[...][rows]
@@ -175,7 +176,7 @@ def indexer_distill_terms(
 
     def one_layer(_, inputs):
         attn_in, norm, state = inputs
-        # the mixer's input exactly as the layer step makes it (k31jax.nn._model._layer_step)
+        # the mixer's input exactly as the decoder layer makes it (k31jax.nn._model._decoder_layer)
         x = rms_norm(attn_in, norm, cfg.rms_norm_eps)
         return None, _layer_sums(nnx.merge(graphdef, state), x, segment_ids, select_k=select_k,
                                  recall_k=recall_k, query_chunk=query_chunk)

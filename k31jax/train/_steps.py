@@ -56,8 +56,9 @@ def micro_batch_loss(model, batch: dict[str, jax.Array], s: StepSettings, denomi
     collect = ("router_idx",) if cfg.moe_layers else ()
     if cfg.moe_layers and s.balance_loss:
         collect += ("router_scores",)
-    hidden, _, per_layer = model.hidden_states(batch["tokens"], segment_ids=batch["segment_ids"],
-                                               backends=s.backends, remat=s.remat, collect=collect)
+    out = model.hidden_states(batch["tokens"], segment_ids=batch["segment_ids"], backends=s.backends, remat=s.remat,
+                              collect=collect)
+    hidden, per_layer = out.hidden, out.intermediates
     loss_sum, stats = chunked_cross_entropy(hidden, model.lm_head[...], batch["targets"], batch["loss_mask"],
                                             vocab_chunk=s.vocab_chunk, z_loss=s.z_loss)
     objective = loss_sum / denominator
@@ -157,7 +158,7 @@ def train_step(graphdef, tx: optax.GradientTransformation, s: StepSettings, para
 def eval_step(graphdef, s: StepSettings, params: Params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Sums over one `[B, T]` batch: nll (nats), trained tokens, their UTF-8 bytes, correct."""
     model = nnx.merge(graphdef, params)
-    hidden, _, _ = model.hidden_states(batch["tokens"], segment_ids=batch["segment_ids"], backends=s.backends)
+    hidden = model.hidden_states(batch["tokens"], segment_ids=batch["segment_ids"], backends=s.backends).hidden
     _, stats = chunked_cross_entropy(hidden, model.lm_head[...], batch["targets"], batch["loss_mask"],
                                      vocab_chunk=s.vocab_chunk)
     return dict(nll_sum=stats["nll_sum"], tokens=stats["tokens"], correct=stats["correct"],

@@ -420,7 +420,7 @@ K2_CASES = {
         K2(None, "", ("get_weather:0", "get_weather", "{}"), ("functions.search", "search", "{}"),
            ("functionsexec5", "functionsexec5", "{}"), ("call_abc123", "call_abc123", '{"q": 1}'),
            ("functions.a.b:7", "a.b", "{}"), ("functions.no_args:8", "no_args", "{}"))),
-    # stray markers (§5 says nothing about removing them): they stay text
+    # stray markers (chat_format.md §5 says nothing about removing them): they stay text
     "stray_section_end_in_content": ("a" + SE + "b<|im_end|>", False, K2(None, "a" + SE + "b")),
     "stray_section_begin_before_text": ("a" + SB + " b" + SB + k2_call("functions.f:0") + SE + "<|im_end|>",
                                         False, K2(None, "a" + SB + " b", ("functions.f:0", "f", "{}"))),

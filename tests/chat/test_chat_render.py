@@ -304,7 +304,7 @@ def test_response_format_messages():
     assert both.index('type="tool-choice"') < both.index('type="response-format"')
 
 
-EMPTY_THINK = "<|open|>think<|sep|><|close|>think<|sep|>"  # §2.3: empty reasoning, tags kept
+EMPTY_THINK = "<|open|>think<|sep|><|close|>think<|sep|>"  # chat_format.md §2.3: empty reasoning, tags kept
 
 
 def test_missing_reasoning_renders_an_empty_think_block_like_the_release():

@@ -7,7 +7,6 @@ sharded restore, and the Kimi Linear and K3 golden checkpoints through the conve
 import io
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +14,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.paths import GOLDEN_DIR, SHARED_DATA_DIR
+from helpers.release import release_ready_model, tensors_of, write_model_release
 from k31jax import convert, export
 from k31jax.ckpt._convert import compare_with_source
-from convert_util import release_ready_model, tensors_of, write_model_release
 from k31jax import dequantize_experts, load_hf_weights
 from k31jax.ckpt import (CheckpointError, SafetensorsIndex, TensorReader, checkpoint_info, load_checkpoint,
                          load_vision)
 
-GOLDEN_KL = Path(__file__).resolve().parent / "golden" / "kimi_linear_tiny"
-GOLDEN_K3 = Path(__file__).resolve().parents[2] / "shared" / "data" / "k3_golden_tiny"
+GOLDEN_KL = GOLDEN_DIR / "kimi_linear_tiny"
+GOLDEN_K3 = SHARED_DATA_DIR / "k3_golden_tiny"
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 384, (2, 24)), jnp.int32)
-logits_of = nnx.jit(lambda m, t: m(t)[0])
+logits_of = nnx.jit(lambda m, t: m(t).logits)
 
 
 def params(model):

@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers.model import tiny_config
+from helpers.release import copy_release, edit_config, edit_header, leftovers, rewrite, shard_of, tensors_of
 from k31jax import convert
 from k31jax.ckpt._synthetic import write_synthetic_release
-from convert_util import copy_release, edit_config, edit_header, leftovers, rewrite, shard_of, tensors_of
 from k31jax.ckpt import CheckpointError, SafetensorsError, checkpoint_info
 from k31jax.ckpt._orbax import load_stored
 from k31jax.cli import main as cli_main

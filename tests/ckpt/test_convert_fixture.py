@@ -8,19 +8,18 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import kimi_linear_tiny_config, tiny_config
+from helpers.model import kimi_linear_tiny_config, tiny_config
+from helpers.paths import SHARED_DATA_DIR
 from k31jax.ckpt._release_layout import hf_config_dict, release_layout
 from k31jax.ckpt._synthetic import write_synthetic_release
 from k31jax import ModelConfig
 from k31jax.ckpt import read_header
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-K3_CONFIG = SHARED / "kimi_k3_config.json"
-INVENTORY = SHARED / "kimi_k3_tensor_inventory.json"
+K3_CONFIG = SHARED_DATA_DIR / "kimi_k3_config.json"
+INVENTORY = SHARED_DATA_DIR / "kimi_k3_tensor_inventory.json"
 
 
 @pytest.mark.parametrize("make", [lambda: ModelConfig.preset("k3"), lambda: ModelConfig.preset("k31_pro"),

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from helpers.model import tiny_config
+from helpers.release import copy_release, edit_config, rewrite, tensors_of
 from k31jax import convert
 from k31jax.ckpt._synthetic import write_synthetic_release
-from convert_util import copy_release, edit_config, rewrite, tensors_of
 from k31jax.ckpt import CheckpointError, checkpoint_config, checkpoint_info, load_checkpoint
 from k31jax.ckpt._orbax import load_stored
 
@@ -115,7 +115,7 @@ def test_dense_layer_zero_under_block_sparse_moe(src):
 def test_kimi_linear_config_without_attn_res(tmp_path):
     """A Kimi Linear style model written by the fixture generator (`model.` prefix, bf16
     experts, A_log as [1, 1, H, 1]) converts with bf16 experts."""
-    from conftest import kimi_linear_tiny_config
+    from helpers.model import kimi_linear_tiny_config
 
     cfg = kimi_linear_tiny_config(dtype="bfloat16")
     src = write_synthetic_release(tmp_path / "kl", cfg, seed=4, num_shards=2)

@@ -8,16 +8,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from helpers.paths import REPO_ROOT
+from helpers.processes import cli_env
 from k31jax.cli import main
 from k31jax.cli._common import StatusLine
 from k31jax.config import preset_names
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -122,7 +120,7 @@ def test_stdout_reader_gone_is_quiet():
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first write: deterministic
     proc = subprocess.run([sys.executable, "-m", "k31jax.cli", "info"], stdout=write_end, stderr=subprocess.PIPE,
-                          text=True, cwd=ROOT, env=cli_env(), timeout=120)
+                          text=True, cwd=REPO_ROOT, env=cli_env(), timeout=120)
     os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert "error" not in proc.stderr and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

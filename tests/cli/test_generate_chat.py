@@ -19,12 +19,13 @@ import subprocess
 import sys
 import termios
 import time
-from pathlib import Path
 
 import pytest
 from flax import nnx
 
-from conftest import cli_env, randomize, tiny_config
+from helpers.model import randomize, tiny_config
+from helpers.paths import REPO_ROOT
+from helpers.processes import cli_env
 from k31jax import K31ForCausalLM
 from k31jax.chat import (ByteTokenizer, ContentDelta, MissingReasoningError, ParsedMessage, ReasoningDelta,
                          ToolCallStart, apply_chat_template, collect_events)
@@ -378,9 +379,8 @@ def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_session():
     """The embedded model on a real (pseudo-)terminal: Ctrl-C during an answer returns to the
     prompt with the history kept; readline recalls the previous line with the Up arrow;
     /effort is checked when typed; Ctrl-C at an empty prompt ends the chat with exit 0."""
-    root = Path(__file__).resolve().parents[1]
     term = Terminal([sys.executable, "-m", "k31jax.cli", "chat", "--max-new-tokens", "700", "--max-len", "1024",
-                     "--prefill-chunk", "256"], cwd=root, env=cli_env(NO_COLOR="1", TERM="xterm"))
+                     "--prefill-chunk", "256"], cwd=REPO_ROOT, env=cli_env(NO_COLOR="1", TERM="xterm"))
     try:
         term.expect("you> ", timeout=300)
         term.type("def fib(n):\n")
@@ -403,9 +403,8 @@ def test_chat_on_a_terminal_ctrl_c_stops_the_answer_not_the_session():
 
 @pytest.mark.slow
 def test_cli_chat_subprocess_with_piped_stdin():
-    root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "k31jax.cli", "chat", "--max-new-tokens", "4", *SMALL],
-                          input="Hi\n/history\n", capture_output=True, text=True, cwd=root,
+                          input="Hi\n/history\n", capture_output=True, text=True, cwd=REPO_ROOT,
                           timeout=600, env=cli_env())
     assert proc.returncode == 0, proc.stderr
     assert "SEEDED RANDOM" in proc.stderr and '"role": "assistant"' in proc.stdout

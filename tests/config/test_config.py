@@ -3,14 +3,14 @@
 import copy
 import re
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers.paths import GOLDEN_DIR, REPO_ROOT
 from k31jax import ConfigError, ModelConfig, preset_names
 from k31jax.config import preset_dir
 
-RELEASE = json.loads((Path(__file__).resolve().parents[1] / "configs" / "k3.json").read_text())
+RELEASE = json.loads((REPO_ROOT / "configs" / "k3.json").read_text())
 
 
 def test_presets_parse():
@@ -122,7 +122,7 @@ def test_restated_keys_must_agree(mutate, message):
 def test_transformers_flat_kimi_linear_layout():
     """transformers re-saves Kimi Linear with flat `linear_*` keys and `layer_types`; without
     `linear_attn_config` those alone give the same config."""
-    path = Path(__file__).parent / "golden" / "kimi_linear_tiny" / "config.json"
+    path = GOLDEN_DIR / "kimi_linear_tiny" / "config.json"
     raw = json.loads(path.read_text())
     nested = ModelConfig.from_hf(raw)
     flat = dict(raw)
@@ -199,7 +199,7 @@ def test_presets_pass_the_field_checks():
 # ---- transformers 5.x configs: null means absent ---------------------------------------------
 
 def _kimi_linear_golden() -> dict:
-    return json.loads((Path(__file__).parent / "golden" / "kimi_linear_tiny" / "config.json").read_text())
+    return json.loads((GOLDEN_DIR / "kimi_linear_tiny" / "config.json").read_text())
 
 
 def test_transformers5_nulls_beside_mlp_layer_types_are_absent_keys():

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+# What JAX keeps for a backward pass: jax.ad_checkpoint makes only its printer public.
+from jax._src.ad_checkpoint import saved_residuals
 
 from k31jax import distributed
 from k31jax.cli import main
@@ -24,17 +26,11 @@ from k31jax.sharding import activate, make_mesh, parse_mesh, rules_for_mesh
 from k31jax.train import OptimConfig, chunked_cross_entropy, make_optimizer, param_labels
 from k31jax.train._trainer import split_for_training
 
-# What JAX keeps for a backward pass (`saved_residuals` is not re-exported publicly by every jax version).
-try:
-    from jax.ad_checkpoint import saved_residuals
-except ImportError:
-    from jax._src.ad_checkpoint import saved_residuals
-
 F32 = 4
 D, E, I, ELL = 7168, 896, 3072, 3584
 ROUTED_PARAMS = 92 * E * 3 * I * ELL  # architecture.md §13: 2,722,740,830,208
 # (params per unit, units, split on expert=8,tensor=8 (ep_tp), split on fsdp=8,expert=8,tensor=8
-# (fsdp_ep_tp)). Every non-expert tensor of the spec's §13 / §10.1 tables: under ep_tp all of
+# (fsdp_ep_tp)). Every non-expert tensor of architecture.md's §13 / §10.1 tables: under ep_tp all of
 # them split 8 ways over `tensor` except the router bias; under fsdp_ep_tp a [D, x] / [x, D]
 # projection also splits its D side over `fsdp` (64), a latent-side one (q_b, kv_b, f_b,
 # wq_b, the convs, every vector) only over `tensor`.
@@ -164,7 +160,7 @@ def _measured_residuals(cfg, remat, batch, seq):
 
     def loss(p):
         model = nnx.merge(graphdef, p)
-        hidden, _, _ = model.hidden_states(tokens, segment_ids=segments, remat=remat, backends=Backends(moe="ragged"))
+        hidden = model.hidden_states(tokens, segment_ids=segments, remat=remat, backends=Backends(moe="ragged")).hidden
         return chunked_cross_entropy(hidden, model.lm_head[...], tokens, jnp.ones((batch, seq)), vocab_chunk=128)[0]
 
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, what in saved_residuals(loss, params)
@@ -190,7 +186,7 @@ def test_expert_parallel_moe_residuals_per_device():
         x = jax.ShapeDtypeStruct((1, 128, cfg.hidden_size), jnp.float32)
 
         def f(st, x):
-            return jnp.sum(nnx.merge(graphdef, st)(x, backends=Backends(ep="ragged"))[0])
+            return jnp.sum(nnx.merge(graphdef, st)(x, backends=Backends(ep="ragged")).output)
 
         per_device = 0.0
         for aval, what in saved_residuals(f, state, x):

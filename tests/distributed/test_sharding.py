@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import randomize, tiny_config
+from helpers.model import randomize, tiny_config
 from k31jax import Backends, K31ForCausalLM, ModelConfig, distributed, nn, sharding
 from k31jax.nn import _ffn
 from k31jax.ops import _moe_ep as _ep
@@ -27,9 +27,9 @@ def _tokens(cfg):
 
 def _prefill_decode(model, tokens, cache):
     step = nnx.jit(lambda m, t, c: m(t, c))
-    a, cache = step(model, tokens[:, :T_PREFILL], cache)
-    b, cache = step(model, tokens[:, T_PREFILL:], cache)
-    return a, b, cache
+    prefill = step(model, tokens[:, :T_PREFILL], cache)
+    decode = step(model, tokens[:, T_PREFILL:], prefill.cache)
+    return prefill.logits, decode.logits, decode.cache
 
 
 _REFS = {}
@@ -106,8 +106,8 @@ def test_experts_inside_the_tensor_group_and_naive_path():
         cache = distributed.init_sharded_cache(cfg, B, MAX_LEN, mesh)
         assert _spec(cache.mla_ckv) == (None, "data", "tensor", None)
         a, b, _ = _prefill_decode(sm, tokens, cache)
-        naive = nnx.jit(lambda m, t: m(t, None, backends=Backends(ep="off"))[0])(sm, tokens[:, :T_PREFILL])
-    full = nnx.jit(lambda m, t: m(t, None)[0])(model, tokens[:, :T_PREFILL])
+        naive = nnx.jit(lambda m, t: m(t, None, backends=Backends(ep="off")).logits)(sm, tokens[:, :T_PREFILL])
+    full = nnx.jit(lambda m, t: m(t, None).logits)(model, tokens[:, :T_PREFILL])
     np.testing.assert_allclose(a, ref_a, rtol=1e-5, atol=1e-5 * np.abs(ref_a).max())
     np.testing.assert_allclose(b, ref_b, rtol=1e-5, atol=1e-5 * np.abs(ref_b).max())
     np.testing.assert_allclose(naive, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
@@ -127,7 +127,7 @@ def test_engine_with_layer_rows_on_a_mesh_equals_single_device():
     placed = distributed.shard_model(model, mesh)
     with sharding.activate(mesh):
         engine = Engine(placed, tok, max_len=64, prefill_chunk=16, layer_rows=True)
-        q_proj = jax.tree.leaves(engine.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
+        q_proj = jax.tree.leaves(engine.core.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
         assert isinstance(q_proj, tuple) and len(q_proj[0].sharding.device_set) == 8
         assert engine.generate(prompts, 8, stop_ids=frozenset()).tokens == ref
 

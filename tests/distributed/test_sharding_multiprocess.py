@@ -4,15 +4,15 @@ each): the sharded `tiny` forward equals the single-process one."""
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-from conftest import subprocess_env
 from flax import nnx
 
+from helpers.paths import MULTIPROCESS_DIR
+from helpers.processes import subprocess_env
 from k31jax import K31ForCausalLM, ModelConfig
 
-WORKER = Path(__file__).parent / "multiprocess" / "sharded_forward.py"
+WORKER = MULTIPROCESS_DIR / "sharded_forward.py"
 
 
 def _free_port() -> int:
@@ -45,8 +45,8 @@ def test_two_processes_equal_single_process(tmp_path):
     model = K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 13)).astype(np.int32)
     step = nnx.jit(lambda m, t, c: m(t, c))
-    prefill, cache = step(model, tokens[:, :12], model.init_cache(4, 16))
-    decode, _ = step(model, tokens[:, 12:], cache)
+    first = step(model, tokens[:, :12], model.init_cache(4, 16))
+    prefill, decode = first.logits, step(model, tokens[:, 12:], first.cache).logits
     for name, ref in (("prefill", prefill), ("decode", decode)):
         ref = np.asarray(ref)
         np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)

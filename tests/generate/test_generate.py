@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import randomize, tiny_config
+from helpers.model import randomize, tiny_config
 from k31jax import K31ForCausalLM
 from k31jax.chat import ByteTokenizer, ThinkingBudget, apply_chat_template, collect_events
 from k31jax.generate import Engine, Request, SamplingParams, plan_prefill
@@ -59,7 +59,7 @@ def test_greedy_equals_full_forward_argmax(engine, model):
     prompt = _prompt(21)
     out = engine.generate([prompt], 20, stop_ids=NO_STOP).tokens[0]
     graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])  # causal: right padding is inert
+    forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits)  # causal: right padding is inert
     seq = list(prompt)
     buf = np.zeros((1, 48), np.int32)
     for _ in range(20):
@@ -88,7 +88,7 @@ def test_layer_rows_engine_equals_the_scanned_one(engine, model, tok):
     engine's tokens, greedy and sampled; the default picks rows only where they pay off."""
     rows = Engine(model, tok, max_len=MAX_LEN, prefill_chunk=CHUNK, layer_rows=True)
     def q_proj(eng):
-        return jax.tree.leaves(eng.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
+        return jax.tree.leaves(eng.core.state["kda"]["q_proj"], is_leaf=lambda a: isinstance(a, tuple))[0]
 
     assert isinstance(q_proj(rows), tuple) and len(q_proj(rows)) == len(model.config.kda_layers)
     assert not isinstance(q_proj(engine), tuple)  # tiny: the scan pays off
@@ -99,7 +99,7 @@ def test_layer_rows_engine_equals_the_scanned_one(engine, model, tok):
 
 
 def test_layer_rows_default_follows_the_layer_width():
-    from k31jax.generate._engine import _rows_pay_off
+    from k31jax.generate._core import _rows_pay_off
     from k31jax.nn import abstract_model
 
     def pays(cfg):

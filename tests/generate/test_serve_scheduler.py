@@ -37,7 +37,7 @@ def setup(cold):
     engine, sched, warm = cold
     warm.join()
     assert warm.ready and warm.error is None
-    return engine, sched, dict(sched.programs.compile_counts)
+    return engine, sched, dict(sched.compile_counts)
 
 
 def test_prefill_plans_with_the_widths_compiled_so_far():
@@ -241,7 +241,7 @@ def test_queue_bound_cancel_and_no_recompilation(setup):
     assert sched.queue_depth == 0 and sched.running == 0
     with pytest.raises(ValueError, match="context length 320"):
         sched.submit(Request(prompt * 70, max_new_tokens=3))
-    assert dict(sched.programs.compile_counts) == compiled
+    assert dict(sched.compile_counts) == compiled
 
 
 class _Pipe:
@@ -265,7 +265,7 @@ def test_follower_steps_the_same_batch_as_its_leader(setup):
     plans: queue.Queue = queue.Queue()
     leader = Scheduler(engine, max_batch=4, prefill_chunk=CHUNK, max_queue=16, sync=_Pipe(True, plans))
     follower = Scheduler(engine, max_batch=4, prefill_chunk=CHUNK, max_queue=16, sync=_Pipe(False, plans))
-    leader.programs = follower.programs = sched.programs  # share the warm programs (one engine)
+    leader.core = follower.core = sched.core  # share the warm programs (one engine)
     with pytest.raises(RuntimeError, match="follow"):
         leader.follow()
     thread = threading.Thread(target=follower.follow, daemon=True)
@@ -294,4 +294,4 @@ def test_follower_steps_the_same_batch_as_its_leader(setup):
     assert list(follower.prefix._entries) == list(leader.prefix._entries)
     for a, b in zip(jax.tree.leaves(leader.cache), jax.tree.leaves(follower.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert dict(sched.programs.compile_counts) == compiled
+    assert dict(sched.compile_counts) == compiled

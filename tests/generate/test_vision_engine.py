@@ -24,13 +24,13 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from conftest import randomize, tiny_config
+from helpers.model import randomize, tiny_config
 from k31jax import K31ForCausalLM
 from k31jax.chat import ByteTokenizer, ChatTemplateError, Segment, apply_chat_template
 from k31jax.cli import main
 from k31jax.cli._generate import run_chat
 from k31jax.generate import ChatSession, Engine, LoadedModel, Request, Scheduler, load_model
-from k31jax.generate._engine import image_prefill_embeds
+from k31jax.generate._programs import image_prefill_embeds
 from k31jax.generate._images import patch_bucket
 from k31jax.generate import _loading
 from k31jax.generate._loading import EMBEDDED_VISION
@@ -40,11 +40,8 @@ from k31jax.serve import _anthropic as anth
 from k31jax.serve import _openai as oai
 from k31jax.serve._protocol import APIError
 from k31jax.vision import ImagePrompts, load_vision_model, preprocess_image, release_shapes
+from refs import vision as RV
 
-try:
-    from tests.refs import vision as RV
-except ImportError:
-    from refs import vision as RV
 
 MAX_LEN, CHUNK = 192, 16
 CFG = tiny_config(num_hidden_layers=2, layer_types=("kda", "mla"))
@@ -128,7 +125,7 @@ def test_rendered_prompt_round_trips_and_equals_one_piece_forward(setup, tok):
     independently spliced embeddings, teacher-forced on the engine's greedy tokens; the
     mixed embedding is the stack's input and AttnRes snapshot 0."""
     model, vision, weights, engine = setup
-    pad = engine.media_pad_id
+    pad = engine.core.media_pad_id
     prompts = engine.image_prompts()
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "Compare"},
@@ -152,13 +149,13 @@ def test_rendered_prompt_round_trips_and_equals_one_piece_forward(setup, tok):
     full = ids + got[:-1]
     embeds = expected_embeds(model, full, rows_ref, pad)
     forward = jax.jit(lambda t, e: model(t, embeds=e, return_intermediates=True))
-    logits, _, inter = forward(jnp.asarray([full]), jnp.asarray(embeds[None], jnp.float32))
-    logits = np.asarray(logits[0])
+    out = forward(jnp.asarray([full]), jnp.asarray(embeds[None], jnp.float32))
+    logits, inter = np.asarray(out.logits[0]), out.intermediates
     assert list(np.argmax(logits[n - 1:], axis=-1)) == got
     np.testing.assert_allclose(np.asarray(inter["embed"][0]), embeds, rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(inter["attn_in"][0, 0]), embeds, rtol=0, atol=1e-6)  # snapshot 0
     plain = expected_embeds(model, full, None, pad, spliced=False)  # the images matter: plain embeddings
-    plain_logits = forward(jnp.asarray([full]), jnp.asarray(plain[None], jnp.float32))[0]  # give other logits
+    plain_logits = forward(jnp.asarray([full]), jnp.asarray(plain[None], jnp.float32)).logits  # give other logits
     assert np.abs(np.asarray(plain_logits[0, n - 1]) - logits[n - 1]).max() > 1e-2
 
 
@@ -172,7 +169,7 @@ def mixed_requests(engine, tok, max_new_tokens=6):
     """[an image request, a text request whose ids hold the pad id, a two-image request]."""
     first = raw_prompt(engine, tok, ["import os\n", A, B, "\n"])
     second = raw_prompt(engine, tok, ["class C:", B, " pass", A2])
-    pad = engine.media_pad_id
+    pad = engine.core.media_pad_id
     return [Request(whole_chunks(tok, first[0]), max_new_tokens=max_new_tokens, stop_ids=NO_STOP, images=first[1]),
             Request(whole_chunks(tok, tok.encode("x = [") + [pad, pad] + tok.encode("]\n")),
                     max_new_tokens=max_new_tokens, stop_ids=NO_STOP),
@@ -186,10 +183,10 @@ def test_spliced_rows_sit_exactly_at_the_pad_positions(setup, tok):
     own pads (in order, across chunk boundaries), token embeddings everywhere else, and none
     spliced into the row without images."""
     model, vision, weights, engine = setup
-    pad = engine.media_pad_id
+    pad = engine.core.media_pad_id
     reqs = mixed_requests(engine, tok)
     length = -(-max(len(r.prompt) for r in reqs) // CHUNK) * CHUNK
-    calls = list(engine.prefill_calls(reqs, length, CHUNK))
+    calls = list(engine.core.prefill_calls(reqs, length, CHUNK))
     assert {kind for kind, _ in calls} == {"prefill_image"} and len(calls) == length // CHUNK
     embed = jax.jit(lambda *data: image_prefill_embeds(model, *data))  # as inside the prefill program
     got = np.concatenate([np.asarray(embed(data[0], *data[2:])) for _, data in calls], axis=1)
@@ -201,7 +198,7 @@ def test_spliced_rows_sit_exactly_at_the_pad_positions(setup, tok):
         rest = np.setdiff1d(np.arange(len(ids)), at)
         np.testing.assert_array_equal(got[i, start + rest], table[ids[rest]])
         if r.images:
-            rows = engine.image_rows(r)
+            rows = engine.core.image_rows(r)
             assert len({int(p) // CHUNK for p in start + at}) > 1  # the pads span chunks
             np.testing.assert_array_equal(got[i, start + at], rows)  # copied, bit for bit
             np.testing.assert_allclose(rows, reference_rows(r.images, weights), rtol=1e-5, atol=1e-5)
@@ -236,7 +233,7 @@ def test_scheduler_mixes_image_and_text_requests_and_keys_prefixes_on_the_image(
     mixed = mixed_requests(engine, tok)
     got = [f.completion.tokens for f in run(mixed)]
     assert got == [engine.generate([r]).tokens[0] for r in mixed]
-    assert sched.programs.compile_counts["prefill_image"] == 1  # one chunk program for every mix
+    assert sched.compile_counts["prefill_image"] == 1  # one chunk program for every mix
 
     turn1, images = raw_prompt(engine, tok, ["look: ", A, "\n"])
     turn1 = whole_chunks(tok, turn1)
@@ -253,7 +250,7 @@ def test_scheduler_mixes_image_and_text_requests_and_keys_prefixes_on_the_image(
     image_sets = [mixed[0].images, mixed[2].images, images, other]
     buckets = {patch_bucket(sum(h * w for h, w in (im.grid for im in s))) for s in image_sets}
     assert engine.compile_counts["vision"] == len(buckets)
-    assert sched.programs.compile_counts["prefill_image"] == 1
+    assert sched.compile_counts["prefill_image"] == 1
 
 
 def test_prefix_key_separates_images_with_the_same_ids():
@@ -308,14 +305,14 @@ def test_cli_generate_image_and_chat_image_command(setup, tok, tmp_path, monkeyp
 
 def test_server_request_conversion_reads_image_parts(setup, tok, tmp_path):
     model, vision, weights, engine = setup
-    pad = engine.media_pad_id
+    pad = engine.core.media_pad_id
     (tmp_path / "a.png").write_bytes(A)
     user = [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": data_url(B)}},
             {"type": "image_url", "image_url": {"url": "a.png"}}]
     body = {"model": "m", "messages": [{"role": "user", "content": user}], "reasoning_effort": "none"}
     spec = oai.chat_spec(body, tok, 512, image_dir=str(tmp_path))
     assert [im.num_tokens for im in spec.request.images] == [8, 6] and spec.request.prompt.count(pad) == 14
-    engine.check_images(spec.request)
+    engine.core.check_images(spec.request)
     with pytest.raises(APIError, match="--image-dir") as e:
         oai.chat_spec(body, tok, 512)
     assert e.value.status == 400
@@ -341,9 +338,9 @@ def test_server_request_conversion_reads_image_parts(setup, tok, tmp_path):
 
     text_only = Engine(model, tok, max_len=MAX_LEN, prefill_chunk=CHUNK)
     with pytest.raises(ValueError, match="no vision tower"):
-        text_only.check_images(aspec.request)
+        text_only.core.check_images(aspec.request)
     with pytest.raises(ValueError, match=r"5 <\|media_pad\|> tokens .* make 6 rows"):
-        engine.check_images(Request([pad] * 5, images=aspec.request.images))
+        engine.core.check_images(Request([pad] * 5, images=aspec.request.images))
 
 
 def test_load_model_builds_a_seeded_random_tower_on_demand():

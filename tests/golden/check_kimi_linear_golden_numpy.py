@@ -1,7 +1,7 @@
 """Cross-check of `kimi_linear_tiny/golden.npz` against a float64 NumPy model written from the spec.
 
 The golden comes from transformers' `KimiLinearForCausalLM` (see make_kimi_linear_golden.py).
-This script re-implements the same model independently from `shared/spec` (architecture.md §11,
+This script re-implements the same model independently from the specification (`docs/`: architecture.md §11,
 kda.md, attention.md §1 and §7) in float64 NumPy, reading `model.safetensors` directly (BF16 is
 decoded by hand, so only numpy is needed), and checks that the two agree. It then re-runs with
 a list of deliberate bugs and checks that each one moves the logits well past any sane test

@@ -1,5 +1,5 @@
 """Golden outputs of a tiny MoonViT-V2 + patch-merger projector and of the K3 image processor,
-from an independent PyTorch implementation (a peer for tests/test_vision_golden.py).
+from an independent PyTorch implementation (a peer for tests/vision/test_vision_golden.py).
 
 The peer is written here from the public MoonViT sources as read for understanding (vLLM's
 `kimi_k25_vit.py` MoonViT3d modules and projector, the K3 release's `media_utils.py` image

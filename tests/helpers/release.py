@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from conftest import tiny_config
-from k31jax.ckpt._release_layout import hf_config_dict
+from helpers.model import tiny_config
+from k31jax.ckpt import SafetensorsIndex, ShardWriter, TensorReader
 from k31jax.ckpt._synthetic import bf16_exact, write_synthetic_release
-from k31jax.ckpt import SafetensorsIndex, ShardWriter, TensorReader, read_header
 
 # A small MoonViT-like vision config (only shapes matter to the converter).
 VISION = {"vt_hidden_size": 32, "patch_size": 2, "vt_intermediate_size": 64, "qkv_hidden_size": 32, "vt_num_attention_heads": 2,
@@ -145,7 +144,3 @@ def leftovers(parent: Path, name: str) -> list[str]:
     """Temporary folders a conversion into `parent / name` may have left behind."""
     return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}.") or
                   p.name.startswith(f"{name}.partial_save"))
-
-
-__all__ = ["VISION", "copy_release", "edit_config", "edit_header", "hf_config_dict", "leftovers", "read_header",
-           "release_ready_model", "rewrite", "shard_of", "tensors_of", "write_model_release"]

@@ -15,11 +15,8 @@ import pytest
 
 from k31jax.kernels.kda_chunk import factor_diagonal, kda_chunked, kda_recurrent
 from k31jax.ops import _kda
+import refs as R
 
-try:
-    from tests import refs as R
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
 
 B, T, H, DK, DV, CHUNK = 1, 37, 2, 16, 8, 32  # T % CHUNK != 0; DV padded to 16 in-kernel
 

@@ -74,5 +74,5 @@ def test_mxfp4_routed_experts_lowers():
     w_out = MXFP4Weight(sd((e, d, f // 2), jnp.uint8), sd((e, d, f // 32), jnp.uint8))
     args = (sd((n, d), jnp.bfloat16), sd((n, top), jnp.int32), sd((n, top), jnp.float32),
             w_in, w_in, w_out)
-    txt = lowered(lambda *a: _moe.routed_experts(*a, impl="pallas"), *args)
+    txt = lowered(lambda *a: _moe.routed_experts(*a, kernels="pallas"), *args)
     assert txt.count(TRITON) == 2  # fused gate/up, then down

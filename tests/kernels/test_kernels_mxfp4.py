@@ -3,7 +3,7 @@
 Covers: experts with zero tokens (first, middle, last), one expert with all tokens, M not a
 multiple of the row block (tiles that straddle group boundaries), rows outside every group
 (zero, as `ragged_dot`), bf16 and f32 activations, the fused gate/up launch, special scale
-bytes (0x00 → exact tiny products, 0xFF → NaN, mx_formats.md §5) and `routed_experts(impl=)`.
+bytes (0x00 → exact tiny products, 0xFF → NaN, mx_formats.md §5) and `routed_experts(kernels=)`.
 The kernel multiplies exact E2M1 values and applies each block's power-of-two scale to the
 fp32 partial product, so it agrees with dequantise-then-matmul to the accumulation order
 (f32: ~1e-7; bf16: one output ulp), except where the dequantised weight would be an f32
@@ -130,7 +130,7 @@ def test_special_scale_bytes():
 
 
 def test_routed_experts_seam_mxfp4():
-    """`routed_experts(impl="interpret")` (fused gate/up + down kernels) == the ragged XLA path."""
+    """`routed_experts(kernels="interpret")` (fused gate/up + down kernels) == the ragged XLA path."""
     rng = np.random.default_rng(11)
     n_tok, top, d, f = 9, 2, 32, 32
     idx = np.stack([rng.choice(6, top, replace=False) for _ in range(n_tok)]).astype(np.int32)
@@ -139,7 +139,7 @@ def test_routed_experts_seam_mxfp4():
     wts = jnp.asarray(rng.random((n_tok, top)), jnp.float32)
     ws = (weight(rng, 6, f, d), weight(rng, 6, f, d), weight(rng, 6, d, f))
     x = jnp.asarray(rng.standard_normal((n_tok, d)) * 0.3, jnp.bfloat16)
-    run = jax.jit(_moe.routed_experts, static_argnames=("impl",))
-    y = run(x, jnp.asarray(idx), wts, *ws, impl="interpret")
-    y_x = run(x, jnp.asarray(idx), wts, *ws, impl="ragged")
+    run = jax.jit(_moe.routed_experts, static_argnames=("form", "kernels"))
+    y = run(x, jnp.asarray(idx), wts, *ws, kernels="interpret")
+    y_x = run(x, jnp.asarray(idx), wts, *ws, form="ragged")
     assert rel(y, y_x) < 2e-2

@@ -14,11 +14,8 @@ import pytest
 
 from k31jax.kernels.sparse_mla import head_block, indexer_scores, mla_attention_sparse, select_topk
 from k31jax.ops import _indexer, _mla
+import refs as R
 
-try:
-    from tests import refs as R
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
 
 B, T, H, DN, DR, RK, DV, S, K = 2, 3, 4, 16, 8, 16, 16, 21, 8
 HI, DI = 4, 16

@@ -33,8 +33,8 @@ tokens = jax.make_array_from_callback(host_tokens.shape, NamedSharding(mesh, jax
 with sharding.activate(mesh):
     cache = distributed.init_sharded_cache(cfg, 4, 16, mesh)
     step = nnx.jit(lambda m, t, c: m(t, c))
-    prefill, cache = step(model, tokens[:, :12], cache)
-    decode, cache = step(model, tokens[:, 12:], cache)
+    first = step(model, tokens[:, :12], cache)
+    prefill, decode = first.logits, step(model, tokens[:, 12:], first.cache).logits
 prefill = multihost_utils.process_allgather(prefill, tiled=True)
 decode = multihost_utils.process_allgather(decode, tiled=True)
 if pid == 0:

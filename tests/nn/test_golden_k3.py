@@ -6,16 +6,15 @@ README). Compared: full forward, cached prefill, three cached decode steps, per-
 activations, and the router's expert sets.
 """
 
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.paths import SHARED_DATA_DIR
 from k31jax import ModelConfig, load_hf_weights
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "k3_golden_tiny"
+GOLDEN = SHARED_DATA_DIR / "k3_golden_tiny"
 pytestmark = pytest.mark.skipif(not GOLDEN.exists(), reason=f"{GOLDEN} not present")
 RTOL = 1e-4  # the reference's own run-to-run noise is ~7e-5 (README)
 
@@ -47,8 +46,7 @@ def test_config_schedule():
 
 
 def test_full_forward(model, golden):
-    logits, _, _ = run(model, jnp.asarray(golden["input_ids"]), None)
-    assert_rel(logits, golden["full/logits"], what="full logits")
+    assert_rel(run(model, jnp.asarray(golden["input_ids"]), None).logits, golden["full/logits"], what="full logits")
 
 
 def _check_phase(inter, golden, phase, cfg):
@@ -57,7 +55,7 @@ def _check_phase(inter, golden, phase, cfg):
     for layer in range(cfg.num_hidden_layers):
         g = f"{phase}/layer{layer:02d}/"
         for ours, theirs in (("attn_in", "attn_in"), ("attn_out", "attn_out"), ("mlp_in", "mlp_in"),
-                             ("mlp_out", "mlp_out"), ("prefix", "prefix_sum")):
+                             ("mlp_out", "mlp_out"), ("partial_sum", "prefix_sum")):
             assert_rel(inter[ours][layer], golden[g + theirs], 3 * RTOL, g + theirs)
         if cfg.is_moe_layer(layer):
             ours = np.asarray(inter["router_idx"][layer]).reshape(-1, cfg.num_experts_per_token)
@@ -74,10 +72,10 @@ def _check_phase(inter, golden, phase, cfg):
 
 def test_prefill_and_cached_decode(model, golden):
     cfg = model.config
-    cache = model.init_cache(2, 64)
-    logits, cache, inter = run(model, jnp.asarray(golden["prefill_input_ids"]), cache)
-    assert_rel(logits, golden["prefill/logits"], what="prefill logits")
-    _check_phase(inter, golden, "prefill", cfg)
+    out = run(model, jnp.asarray(golden["prefill_input_ids"]), model.init_cache(2, 64))
+    assert_rel(out.logits, golden["prefill/logits"], what="prefill logits")
+    _check_phase(out.intermediates, golden, "prefill", cfg)
+    cache = out.cache
     # the latent cache holds the post-norm c_kv and the raw k_pe (attention.md §1.4)
     slot = cfg.mla_layers.index(3)
     assert_rel(cache.mla_ckv[slot, :, :45], golden["cache/prefill/layer03/mla_ckv_norm"], what="c_kv")
@@ -88,7 +86,7 @@ def test_prefill_and_cached_decode(model, golden):
                golden["cache/prefill/layer00/recurrent_state"], what="KDA state")
     for i in range(3):
         step = jnp.asarray(golden["decode_input_ids"][:, i:i + 1])
-        logits, cache, inter = run(model, step, cache)
-        assert_rel(logits, golden[f"decode{i}/logits"], what=f"decode{i} logits")
-        _check_phase(inter, golden, f"decode{i}", cfg)
-    assert int(cache.pos) == 48
+        out = run(model, step, out.cache)
+        assert_rel(out.logits, golden[f"decode{i}/logits"], what=f"decode{i} logits")
+        _check_phase(out.intermediates, golden, f"decode{i}", cfg)
+    assert int(out.cache.pos) == 48

@@ -7,16 +7,16 @@ the full width, routed scaling 2.446.
 """
 
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.paths import GOLDEN_DIR
 from k31jax import ModelConfig, load_hf_weights
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "kimi_linear_tiny"
+GOLDEN = GOLDEN_DIR / "kimi_linear_tiny"
 RTOL = 1e-4
 
 
@@ -50,21 +50,20 @@ def test_config_switches():
 
 
 def test_full_forward(model, golden):
-    logits, _ = forward(model, jnp.asarray(golden["input_ids"], jnp.int32), None)
+    logits = forward(model, jnp.asarray(golden["input_ids"], jnp.int32), None).logits
     assert_rel(logits, golden["logits"], "logits")
 
 
 def test_long_sequence_crosses_chunks(model, golden):
-    logits, _ = forward(model, jnp.asarray(golden["long_input_ids"], jnp.int32), None)
+    logits = forward(model, jnp.asarray(golden["long_input_ids"], jnp.int32), None).logits
     assert_rel(logits, golden["long_logits"], "long logits (150 tokens, 3 KDA chunks)")
 
 
 def test_prefill_and_decode(model, golden):
     ids = jnp.asarray(golden["input_ids"], jnp.int32)
     n = golden["prefill_logits"].shape[1]
-    cache = model.init_cache(ids.shape[0], 64)
-    logits, cache = forward(model, ids[:, :n], cache)
-    assert_rel(logits, golden["prefill_logits"], "prefill logits")
+    out = forward(model, ids[:, :n], model.init_cache(ids.shape[0], 64))
+    assert_rel(out.logits, golden["prefill_logits"], "prefill logits")
     for i in range(golden["decode_logits"].shape[1]):
-        logits, cache = forward(model, ids[:, n + i:n + i + 1], cache)
-        assert_rel(logits[:, 0], golden["decode_logits"][:, i], f"decode step {i}")
+        out = forward(model, ids[:, n + i:n + i + 1], out.cache)
+        assert_rel(out.logits[:, 0], golden["decode_logits"][:, i], f"decode step {i}")

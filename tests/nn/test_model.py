@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import kimi_linear_tiny_config, tiny_config
-
+from helpers.model import kimi_linear_tiny_config, tiny_config
 from k31jax import Backends
 from k31jax.nn import MLAMixer, unstack_layers
 
 GATHER = Backends(sparse="gather")  # the selected-rows attention in prefill too
 
-forward = nnx.jit(lambda m, t, c: m(t, c), )
+forward = nnx.jit(lambda m, t, c: m(t, c))
 
 
 def _tokens(b, t, vocab, seed=0):
@@ -35,14 +34,13 @@ def test_prefill_then_decode_equals_full_forward(name, make_model):
     cfg = CONFIGS[name]()
     model = make_model(cfg)
     tokens = _tokens(2, 50, cfg.vocab_size)
-    full, _ = forward(model, tokens, None)
-    cache = model.init_cache(2, 64)
-    logits, cache = forward(model, tokens[:, :45], cache)
-    np.testing.assert_allclose(logits, full[:, :45], rtol=1e-4, atol=1e-4 * float(jnp.abs(full).max()))
+    full = forward(model, tokens, None).logits
+    out = forward(model, tokens[:, :45], model.init_cache(2, 64))
+    np.testing.assert_allclose(out.logits, full[:, :45], rtol=1e-4, atol=1e-4 * float(jnp.abs(full).max()))
     for i in range(45, 50):
-        step, cache = forward(model, tokens[:, i:i + 1], cache)
-        np.testing.assert_allclose(step[:, 0], full[:, i], rtol=1e-4, atol=1e-4 * float(jnp.abs(full).max()))
-    assert int(cache.pos) == 50
+        out = forward(model, tokens[:, i:i + 1], out.cache)
+        np.testing.assert_allclose(out.logits[:, 0], full[:, i], rtol=1e-4, atol=1e-4 * float(jnp.abs(full).max()))
+    assert int(out.cache.pos) == 50
 
 
 def test_indexer_is_active_in_tiny(make_model):
@@ -52,8 +50,8 @@ def test_indexer_is_active_in_tiny(make_model):
     dsa = make_model(cfg)
     dense = make_model(cfg.replace(index_topk=10_000))
     tokens = _tokens(1, 50, cfg.vocab_size)
-    a, _ = forward(dsa, tokens, None)
-    b, _ = forward(dense, tokens, None)
+    a = forward(dsa, tokens, None).logits
+    b = forward(dense, tokens, None).logits
     np.testing.assert_array_equal(a[:, :8], b[:, :8])  # first k positions: every key selected
     assert float(jnp.abs(a[:, 20:] - b[:, 20:]).max()) > 1e-3
 
@@ -66,25 +64,24 @@ def test_indexer_prefill_streams_key_blocks(make_model, monkeypatch):
     model = make_model(cfg)
     tokens = _tokens(2, 37, cfg.vocab_size, seed=5)
     run = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))
-    whole, _ = run(model, tokens, None)
-    cache = model.init_cache(2, 40)
-    first, cache = run(model, tokens[:, :20], cache)
-    rest, _ = run(model, tokens[:, 20:], cache)
+    whole = run(model, tokens, None).logits
+    prefill = run(model, tokens[:, :20], model.init_cache(2, 40))
+    first, rest = prefill.logits, run(model, tokens[:, 20:], prefill.cache).logits
     from k31jax.nn import _mla_layer
 
     blocks = []
-    select = _mla_layer._indexer.select_topk
+    select = _mla_layer.select_topk
 
     def spy(*a, **kw):
         blocks.append(a[6] if len(a) > 6 else kw.get("key_block"))
         return select(*a, **kw)
 
-    monkeypatch.setattr(_mla_layer._indexer, "select_topk", spy)
+    monkeypatch.setattr(_mla_layer, "select_topk", spy)
     monkeypatch.setattr(MLAMixer, "index_key_block", 6)  # 37 keys: 7 blocks, the last one short
-    blocked, _ = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens, None)
-    cache = model.init_cache(2, 40)
-    first_b, cache = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, :20], cache)
-    rest_b, _ = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, 20:], cache)
+    blocked = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens, None).logits
+    prefill = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, :20], model.init_cache(2, 40))
+    first_b = prefill.logits
+    rest_b = nnx.jit(lambda m, t, c: m(t, c, backends=GATHER))(model, tokens[:, 20:], prefill.cache).logits
     assert set(blocks) == {6}  # every prefill call streamed (traced once per jit)
     np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate([first_b, rest_b], 1), jnp.concatenate([first, rest], 1),
@@ -96,8 +93,8 @@ def test_scan_equals_unrolled(make_model):
     cfg = tiny_config()
     model = make_model(cfg)
     tokens = _tokens(2, 21, cfg.vocab_size)
-    a, _ = forward(model, tokens, None)
-    b, _ = nnx.jit(lambda m, t: m(t, None, scan_layers=False))(model, tokens)
+    a = forward(model, tokens, None).logits
+    b = nnx.jit(lambda m, t: m(t, None, scan_layers=False))(model, tokens).logits
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -147,12 +144,11 @@ def test_unstacked_layers_equal_the_stacks_and_read_weights_in_place(make_model)
     tokens = _tokens(2, 23, cfg.vocab_size, seed=5)
     outs = {}
     for name, st in (("stacked", state), ("rows", rows)):
-        cache = model.init_cache(2, 32)
-        logits, cache = call(st, tokens[:, :19], cache)
-        steps = [logits]
+        out = call(st, tokens[:, :19], model.init_cache(2, 32))
+        steps = [out.logits]
         for i in range(19, 23):
-            logits, cache = call(st, tokens[:, i:i + 1], cache)
-            steps.append(logits)
+            out = call(st, tokens[:, i:i + 1], out.cache)
+            steps.append(out.logits)
         outs[name] = jnp.concatenate(steps, axis=1)
     np.testing.assert_allclose(outs["rows"], outs["stacked"], rtol=1e-6, atol=1e-6)
     token, cache = jnp.ones((2, 1), jnp.int32), model.init_cache(2, 32)
@@ -166,15 +162,15 @@ def test_left_padding_is_exact(make_model):
     cfg = tiny_config()
     model = make_model(cfg)
     short = _tokens(1, 13, cfg.vocab_size, seed=3)
-    alone, _ = forward(model, short, None)
+    alone = forward(model, short, None).logits
     padded = jnp.concatenate([jnp.full((1, 7), 5, jnp.int32), short], axis=1)
     valid = jnp.concatenate([jnp.zeros((1, 7), bool), jnp.ones((1, 13), bool)], axis=1)
     c = model.init_cache(1, 32)
-    out, c = nnx.jit(lambda m, t, v, c: m(t, c, valid=v))(model, padded, valid, c)
-    np.testing.assert_allclose(out[:, 7:], alone, rtol=1e-5, atol=1e-5)
+    out = nnx.jit(lambda m, t, v, c: m(t, c, valid=v))(model, padded, valid, c)
+    np.testing.assert_allclose(out.logits[:, 7:], alone, rtol=1e-5, atol=1e-5)
     nxt = _tokens(1, 1, cfg.vocab_size, seed=4)
-    ref, _ = forward(model, jnp.concatenate([short, nxt], 1), None)
-    step, _ = forward(model, nxt, c)
+    ref = forward(model, jnp.concatenate([short, nxt], 1), None).logits
+    step = forward(model, nxt, out.cache).logits
     np.testing.assert_allclose(step[:, 0], ref[:, -1], rtol=1e-4, atol=1e-4)
 
 
@@ -197,10 +193,10 @@ def test_bf16_tracks_f32(make_model):
     assert model16.kda.q_proj[...].dtype == jnp.bfloat16 and model16.kda.a_log[...].dtype == jnp.float32
     tokens = _tokens(2, 30, cfg.vocab_size)
     run = nnx.jit(lambda m, t: m(t, None, return_intermediates=True))
-    a, _, ia = run(model32, tokens)
-    b, _, ib = run(model16, tokens)
-    assert b.dtype == jnp.float32 and ib["prefix"].dtype == jnp.bfloat16
-    first = float(jnp.abs(ia["prefix"][0] - ib["prefix"][0]).max() / jnp.abs(ia["prefix"][0]).max())
+    out32, out16 = run(model32, tokens), run(model16, tokens)
+    a, ia, b, ib = out32.logits, out32.intermediates, out16.logits, out16.intermediates
+    assert b.dtype == jnp.float32 and ib["partial_sum"].dtype == jnp.bfloat16
+    first = float(jnp.abs(ia["partial_sum"][0] - ib["partial_sum"][0]).max() / jnp.abs(ia["partial_sum"][0]).max())
     assert first < 2e-2, first  # one layer: bf16 rounding only
     rel = float(jnp.abs(a - b).max() / jnp.abs(a).max())
     assert rel < 0.15, rel
@@ -210,7 +206,7 @@ def test_bf16_tracks_f32(make_model):
 def test_intermediates_have_layer_axis(make_model):
     cfg = tiny_config()
     model = make_model(cfg)
-    _, _, inter = nnx.jit(lambda m, t: m(t, None, return_intermediates=True))(model, _tokens(1, 9, cfg.vocab_size))
+    inter = nnx.jit(lambda m, t: m(t, None, return_intermediates=True))(model, _tokens(1, 9, cfg.vocab_size)).intermediates
     assert inter["attn_out"].shape == (cfg.num_hidden_layers, 1, 9, cfg.hidden_size)
     assert inter["router_idx"].shape == (cfg.num_hidden_layers, 1, 9, cfg.num_experts_per_token)
     # the dense layer routes nothing; MoE layers choose distinct experts

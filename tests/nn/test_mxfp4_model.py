@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import tiny_config
+from helpers.model import tiny_config
 from k31jax import Backends, K31ForCausalLM, count_params, dequantize_experts, quantize_experts
 from k31jax.quant import fake_quant, mx_fake_quant_activations, mxfp4_dequantize_packed
 
-forward = nnx.jit(lambda m, t: m(t, None)[0])
+forward = nnx.jit(lambda m, t: m(t, None).logits)
 
 
 def small_config(**overrides):
@@ -37,15 +37,14 @@ def test_packed_model_equals_dequantized_model(dtype):
     plain = dequantize_experts(packed)
     assert plain.moe.w_gate[...].dtype == jnp.dtype(dtype)
     tokens = _tokens()
-    for impl in ("ragged", "gather"):
-        run = nnx.jit(lambda m, t, impl=impl: m(t, None, backends=Backends(moe=impl))[0])
+    for form in ("ragged", "gather"):
+        run = nnx.jit(lambda m, t, form=form: m(t, None, backends=Backends(moe=form)).logits)
         np.testing.assert_array_equal(run(packed, tokens), run(plain, tokens))
     # decode path (gather over few tokens) as well
-    cache_a, cache_b = packed.init_cache(2, 32), plain.init_cache(2, 32)
     step = nnx.jit(lambda m, t, c: m(t, c))
-    (la, cache_a), (lb, cache_b) = step(packed, tokens[:, :20], cache_a), step(plain, tokens[:, :20], cache_b)
-    la, _ = step(packed, tokens[:, 20:21], cache_a)
-    lb, _ = step(plain, tokens[:, 20:21], cache_b)
+    out_a, out_b = step(packed, tokens[:, :20], packed.init_cache(2, 32)), step(plain, tokens[:, :20], plain.init_cache(2, 32))
+    la = step(packed, tokens[:, 20:21], out_a.cache).logits
+    lb = step(plain, tokens[:, 20:21], out_b.cache).logits
     np.testing.assert_array_equal(la, lb)
 
 
@@ -77,7 +76,7 @@ def test_mxfp8_activations_quantize_expert_inputs():
     w = jnp.full((6, 2), 0.5, jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((4, 32, 64)) * 0.1, jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((4, 64, 32)) * 0.1, jnp.float32)
-    ours = routed_experts(x, idx, w, wg, wu, wd, hidden_act="silu", activation_fake_quant=True, impl="gather")
+    ours = routed_experts(x, idx, w, wg, wu, wd, hidden_act="silu", activation_fake_quant=True, form="gather")
     xq = mx_fake_quant_activations(x, "e4m3", "rceil")
     h = jax.nn.silu(jnp.einsum("ni,eoi->neo", xq, wg)) * jnp.einsum("ni,eoi->neo", xq, wu)
     ref = []
@@ -89,7 +88,7 @@ def test_mxfp8_activations_quantize_expert_inputs():
             acc = acc + 0.5 * (wd[e] @ hk)
         ref.append(acc)
     np.testing.assert_allclose(ours, jnp.stack(ref), rtol=1e-5, atol=1e-6)
-    plain = routed_experts(x, idx, w, wg, wu, wd, hidden_act="silu", impl="gather")
+    plain = routed_experts(x, idx, w, wg, wu, wd, hidden_act="silu", form="gather")
     assert float(jnp.abs(ours - plain).max()) > 1e-4
 
 
@@ -113,7 +112,7 @@ def test_qat_forward_uses_mxfp4_values():
 
 
 def _loss(model, tokens):
-    logits, _ = model(tokens[:, :-1], None)
+    logits = model(tokens[:, :-1], None).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err, tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from helpers.model import rel_err, tiny_config
 from k31jax import Backends, K31ForCausalLM
 from k31jax.ops import _impl, _kda, _mla, _moe
 from k31jax.quant import mxfp4_quantize_packed
@@ -188,12 +188,12 @@ def test_model_on_the_kernels_equals_xla(monkeypatch):
     def run(model, tokens, kernels):
         cache = model.init_cache(2, 32)
         backends = Backends(kernels=kernels, sparse="gather")  # the kernel's attention form in prefill too
-        logits, cache = model(tokens[:, :21], cache, backends=backends)
-        steps = [logits[:, -1]]
+        out = model(tokens[:, :21], cache, backends=backends)
+        steps = [out.logits[:, -1]]
         for i in range(21, 24):
-            step, cache = model(tokens[:, i:i + 1], cache, backends=backends)
-            steps.append(step[:, -1])
-        return jnp.stack(steps, 1), cache
+            out = model(tokens[:, i:i + 1], out.cache, backends=backends)
+            steps.append(out.logits[:, -1])
+        return jnp.stack(steps, 1), out.cache
 
     got, got_cache = run(model, tokens, "interpret")
     assert {n for n, _ in calls} == {n for names in KERNELS.values() for n in names}

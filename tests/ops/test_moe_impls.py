@@ -1,4 +1,4 @@
-"""The grouped-matmul implementations agree: ragged_dot, blocked (CPU) and gather."""
+"""The grouped-matmul forms agree: ragged_dot, blocked (CPU) and gather."""
 
 import jax
 import jax.numpy as jnp
@@ -35,22 +35,22 @@ def _loop_reference(x, idx, w, ws):
 
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
 @pytest.mark.parametrize("n", [1, 7, 45])
-def test_impls_agree_with_loop(n, routing):
+def test_forms_agree_with_loop(n, routing):
     x, idx, w, ws = _case(n, 3, 12, 64, 32, routing)
     ref = _loop_reference(x, idx, w, ws)
-    fn = jax.jit(routed_experts, static_argnames=("impl",))
-    for impl in ("ragged", "blocked", "gather"):
-        np.testing.assert_allclose(fn(x, idx, w, *ws, impl=impl), ref, rtol=2e-5, atol=2e-5, err_msg=impl)
+    fn = jax.jit(routed_experts, static_argnames=("form",))
+    for form in ("ragged", "blocked", "gather"):
+        np.testing.assert_allclose(fn(x, idx, w, *ws, form=form), ref, rtol=2e-5, atol=2e-5, err_msg=form)
 
 
 def test_blocked_with_packed_mxfp4_equals_ragged():
     x, idx, w, ws = _case(33, 4, 8, 64, 32, "random", seed=3)
     packed = [MXFP4Weight(*mxfp4_quantize_packed(a)) for a in ws]
-    fn = jax.jit(routed_experts, static_argnames=("impl",))
-    a = fn(x, idx, w, *packed, impl="blocked")
-    b = fn(x, idx, w, *packed, impl="ragged")
+    fn = jax.jit(routed_experts, static_argnames=("form",))
+    a = fn(x, idx, w, *packed, form="blocked")
+    b = fn(x, idx, w, *packed, form="ragged")
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(a - fn(x, idx, w, *ws, impl="ragged")).max()) > 0  # quantisation is real
+    assert float(jnp.abs(a - fn(x, idx, w, *ws, form="ragged")).max()) > 0  # quantisation is real
 
 
 @pytest.mark.parametrize("block", [32, 64, 256])

@@ -64,7 +64,7 @@ def test_selected_equals_ragged_and_gather(n, k, e, repeat_expert):
     weights = _experts(e, i, ell, n + e)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((n, ell)), jnp.bfloat16)
     idx, pw = _routing(n, k, e, 2, repeat_expert)
-    run = jax.jit(lambda impl, *a: routed_experts(*a, impl=impl), static_argnums=0)
+    run = jax.jit(lambda form, *a: routed_experts(*a, form=form), static_argnums=0)
     want = np.asarray(run("ragged", x, idx, pw, *weights))
     np.testing.assert_array_equal(np.asarray(run("selected", x, idx, pw, *weights)), want)
     np.testing.assert_array_equal(np.asarray(run("gather", x, idx, pw, *weights)), want)
@@ -100,7 +100,7 @@ def test_expert_parallel_selected_equals_ragged(mesh_spec):
                 x, i, p, *w, plan=plan, local=local))(x, idx, pw, weights))
     # f32 rows: a per-expert dot and ragged_dot may sum in different orders
     np.testing.assert_allclose(outs["selected"], outs["ragged"], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(outs["ragged"], routed_experts(x, idx, pw, *weights, impl="ragged"),
+    np.testing.assert_allclose(outs["ragged"], routed_experts(x, idx, pw, *weights, form="ragged"),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -124,9 +124,9 @@ def test_model_with_word_packed_experts_read_by_row_equals_the_byte_model():
         cache = m.init_cache(batch=2, max_len=32)
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 9)), jnp.int32)
         step = jax.jit(lambda t, c: m(t, c, backends=backends))
-        a, cache = step(tokens, cache)
-        b, _ = step(tokens[:, :1], cache)
-        return np.asarray(a, np.float32), np.asarray(b, np.float32)
+        prefill = step(tokens, cache)
+        decode = step(tokens[:, :1], prefill.cache)
+        return np.asarray(prefill.logits, np.float32), np.asarray(decode.logits, np.float32)
 
     want = run(state, Backends(moe="auto"))
     got = run(words, Backends(moe="selected"))

@@ -16,18 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.model import abstract, rel_err
 from k31jax.config import ModelConfig
-from k31jax.nn import MLAMixer
+from k31jax.nn import MLALayerCache, MLAMixer
 from k31jax.ops import Backends, _indexer, _mla
-
-try:
-    from tests import refs as R
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
-
-from conftest import abstract, rel_err  # noqa: E402
-
-
+import refs as R
 
 
 def fragile_rows(scores, topk, tol=1e-5):
@@ -115,17 +108,19 @@ class Built:
         self.cfg, self.pure, self.hf = cfg, pure, to_hf(pure)
         graphdef, self.state = nnx.split(model)
 
-        @functools.partial(jax.jit, static_argnames=("sparse_impl",))
-        def fwd(st, x, c_kv, k_pe, idx_cache, pos, key_valid, sparse_impl):
-            return nnx.merge(graphdef, st)(x, c_kv, k_pe, idx_cache, pos=pos, key_valid=key_valid,
-                                           backends=Backends(sparse=sparse_impl))
+        @functools.partial(jax.jit, static_argnames=("sparse_form",))
+        def fwd(st, x, c_kv, k_pe, idx_cache, pos, key_valid, sparse_form):
+            cache = None if c_kv is None else MLALayerCache(c_kv, k_pe, idx_cache)
+            y, cache = nnx.merge(graphdef, st)(x, cache, pos=pos, key_valid=key_valid,
+                                               backends=Backends(sparse=sparse_form))
+            return (y, None, None, None) if cache is None else (y, cache.ckv, cache.kpe, cache.index_keys)
 
         self._fwd = fwd
 
-    def __call__(self, x, caches=(None, None, None), pos=0, key_valid=None, sparse_impl="mask"):
+    def __call__(self, x, caches=(None, None, None), pos=0, key_valid=None, sparse_form="mask"):
         if key_valid is None:  # always pass one (all True), so fewer shapes get compiled
             key_valid = np.ones(x.shape[:2], bool)
-        return self._fwd(self.state, x, *caches, jnp.int32(pos), key_valid, sparse_impl)
+        return self._fwd(self.state, x, *caches, jnp.int32(pos), key_valid, sparse_form)
 
 
 @functools.lru_cache(maxsize=None)
@@ -396,7 +391,7 @@ def test_dsa_topk_ge_T_is_bitwise_dense():
     x = xs(3, 2, T_DSA)
     dense = np.asarray(built("dense")(x)[0])
     # no cache, index_topk == T (the boundary case)
-    y = np.asarray(built("dsa", T_DSA)(x, sparse_impl="mask")[0])
+    y = np.asarray(built("dsa", T_DSA)(x, sparse_form="mask")[0])
     np.testing.assert_array_equal(y, dense)
     # ops level: the selection mask for top-k >= T is exactly causal, so the masked MLA is bitwise
     (q, w, k), _ = _indexer_setup(1, b=2, t=T_DSA)
@@ -417,7 +412,7 @@ def test_dsa_topk_ge_valid_keys_with_cache_is_bitwise_dense():
         caches = (np.zeros((2, s_max, m.cfg.kv_lora_rank), np.float32),
                   np.zeros((2, s_max, m.cfg.qk_rope_head_dim), np.float32),
                   np.zeros((2, s_max, m.cfg.index_head_dim), np.float32) if topk else None)
-        outs[kind] = np.asarray(m(x, caches, pos=0, key_valid=key_valid, sparse_impl="mask")[0])
+        outs[kind] = np.asarray(m(x, caches, pos=0, key_valid=key_valid, sparse_form="mask")[0])
     np.testing.assert_array_equal(outs["dsa"], outs["dense"])
 
 
@@ -432,7 +427,7 @@ def _dsa_reference(m, x_row, topk):
 def test_dsa_sparse_vs_reference_and_differs_from_dense():
     m = built("dsa", 8)
     x = xs(6, 2, T_DSA)
-    y = np.asarray(m(x, sparse_impl="mask")[0])
+    y = np.asarray(m(x, sparse_form="mask")[0])
     dense = np.asarray(built("dense")(x)[0])
     for b in range(2):
         want, fragile = _dsa_reference(m, x[b], 8)
@@ -449,8 +444,8 @@ def test_dsa_sparse_vs_reference_and_differs_from_dense():
 def test_dsa_gather_path_equals_mask_path():
     m = built("dsa", 8)
     x = xs(6, 2, T_DSA)
-    y_mask = np.asarray(m(x, sparse_impl="mask")[0])
-    y_gather = np.asarray(m(x, sparse_impl="gather")[0])
+    y_mask = np.asarray(m(x, sparse_form="mask")[0])
+    y_gather = np.asarray(m(x, sparse_form="gather")[0])
     assert rel_err(y_gather, y_mask) < 1e-5, rel_err(y_gather, y_mask)
 
 
@@ -463,7 +458,7 @@ def test_mla_cache_prefill_decode_matches_no_cache(kind):
     x = xs(7, b, n)
     tok_valid = np.ones((b, n), bool)
     tok_valid[1, :n_pad] = False  # row 1 is left-padded
-    y_ref = np.asarray(m(x, key_valid=tok_valid, sparse_impl="mask")[0])
+    y_ref = np.asarray(m(x, key_valid=tok_valid, sparse_form="mask")[0])
     caches = (np.zeros((b, s_max, cfg.kv_lora_rank), np.float32),
               np.zeros((b, s_max, cfg.qk_rope_head_dim), np.float32),
               np.zeros((b, s_max, cfg.index_head_dim), np.float32) if kind == "dsa" else None)
@@ -473,7 +468,7 @@ def test_mla_cache_prefill_decode_matches_no_cache(kind):
         key_valid[:, :pos + step] = tok_valid[:, :pos + step]  # written, non-padding slots
         # prefill chunks on the mask path; decode steps with "auto" (absorbed / gather for DSA)
         y, *caches = m(x[:, pos:pos + step], tuple(caches), pos=pos, key_valid=key_valid,
-                       sparse_impl="auto" if step == 1 else "mask")
+                       sparse_form="auto" if step == 1 else "mask")
         outs.append(np.asarray(y))
         pos += step
     y_inc = np.concatenate(outs, axis=1)

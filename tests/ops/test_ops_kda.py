@@ -15,18 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.model import abstract, rel_err
 from k31jax.config import ModelConfig
-from k31jax.nn import KDAMixer
+from k31jax.nn import KDALayerCache, KDAMixer
 from k31jax.ops import _kda, _norms
-
-try:
-    from tests import refs as R
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
-
-from conftest import abstract, rel_err  # noqa: E402
-
-
+import refs as R
 
 
 def ref_batched(fn, *arrays, **kw):
@@ -305,7 +298,8 @@ def build_kda(variant):
 
     @jax.jit
     def fwd(st, x, s, conv, valid=None):
-        return nnx.merge(graphdef, st)(x, s, conv, valid)
+        y, cache = nnx.merge(graphdef, st)(x, KDALayerCache(s, conv), valid)
+        return y, cache.state, cache.conv
 
     return cfg, hf, state, fwd, graphdef
 

@@ -12,18 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.model import abstract, rel_err
 from k31jax.config import ModelConfig
 from k31jax.nn import DenseMLP, LatentMoE
 from k31jax.ops import Backends, _activations, _attn_res, _moe, _norms, _router
-
-try:
-    from tests import refs as R
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
-
-from conftest import abstract, rel_err  # noqa: E402
-
-
+import refs as R
 
 
 def by_expert(idx, w):
@@ -164,7 +157,7 @@ ACTS = [("situ", 4.0, 25.0), ("situ", 4.0, None), ("silu", 4.0, None)]
 
 @pytest.mark.parametrize("act", ACTS, ids=["situ", "situ_linear_up", "silu"])
 @pytest.mark.parametrize("routing", ["random", "few_experts", "all_same"])
-def test_routed_experts_impls_agree(act, routing):
+def test_routed_experts_forms_agree(act, routing):
     hidden_act, b1, b2 = act
     rng = np.random.default_rng(20)
     n, e, k, d, f = 13, 8, 3, 12, 10
@@ -181,11 +174,11 @@ def test_routed_experts_impls_agree(act, routing):
     wu = (rng.standard_normal((e, f, d)) * 2 / np.sqrt(d)).astype(np.float32)
     wd = (rng.standard_normal((e, d, f)) / np.sqrt(f)).astype(np.float32)
     want = expert_loop(x, idx, w, wg, wu, wd, hidden_act, b1, b2)
-    run = jax.jit(_moe.routed_experts, static_argnames=("hidden_act", "beta_gate", "beta_up", "impl"))
-    outs = {impl: np.asarray(run(x, idx, w, wg, wu, wd, hidden_act=hidden_act, beta_gate=b1,
-                                 beta_up=b2, impl=impl)) for impl in ("ragged", "gather")}
-    for impl, got in outs.items():
-        assert rel_err(got, want) < 1e-5, (impl, rel_err(got, want))
+    run = jax.jit(_moe.routed_experts, static_argnames=("hidden_act", "beta_gate", "beta_up", "form"))
+    outs = {form: np.asarray(run(x, idx, w, wg, wu, wd, hidden_act=hidden_act, beta_gate=b1,
+                                 beta_up=b2, form=form)) for form in ("ragged", "gather")}
+    for form, got in outs.items():
+        assert rel_err(got, want) < 1e-5, (form, rel_err(got, want))
     assert rel_err(outs["ragged"], outs["gather"]) < 1e-5
 
 
@@ -274,21 +267,22 @@ def built_moe(kind):
     pure = randomise(model, np.random.default_rng(30 if kind == "latent" else 31))
     graphdef, state = nnx.split(model)
 
-    @functools.partial(jax.jit, static_argnames="impl")
-    def fwd(st, x, impl):
-        return nnx.merge(graphdef, st)(x, backends=Backends(moe=impl))
+    @functools.partial(jax.jit, static_argnames="form")
+    def fwd(st, x, form):
+        out = nnx.merge(graphdef, st)(x, backends=Backends(moe=form))
+        return out.output, out.routing.experts, out.routing.weights
 
     return cfg, pure, state, fwd
 
 
 @pytest.mark.parametrize("kind", ["latent", "kimi_linear"])
-@pytest.mark.parametrize("impl", ["ragged", "gather"])
-def test_latent_moe_vs_reference(kind, impl):
+@pytest.mark.parametrize("form", ["ragged", "gather"])
+def test_latent_moe_vs_reference(kind, form):
     cfg, pure, state, fwd = built_moe(kind)
     assert ("latent_down" in pure) == (kind == "latent")
     hf = moe_hf(pure)
     x = np.random.default_rng(3).standard_normal((2, 11, cfg.hidden_size)).astype(np.float32)
-    y, idx, w = fwd(state, x, impl)
+    y, idx, w = fwd(state, x, form)
     flat = x.reshape(-1, cfg.hidden_size)
     want = R.latent_moe(flat, hf, moe_ref_cfg(cfg))
     idx_ref, w_ref = R.route(flat, hf["gate"], hf["e_score_correction_bias"],
@@ -303,8 +297,8 @@ def test_latent_moe_vs_reference(kind, impl):
     assert rel_err(y[ok], want[ok]) < 1e-5, rel_err(y[ok], want[ok])
 
 
-@pytest.mark.parametrize("impl", ["ragged", "gather"])
-def test_latent_moe_adversarial_routing(impl):
+@pytest.mark.parametrize("form", ["ragged", "gather"])
+def test_latent_moe_adversarial_routing(form):
     """A huge bias on experts 0..k-1: every token picks them, every other expert gets 0 tokens."""
     cfg, pure, state, fwd = built_moe("latent")
     k = cfg.num_experts_per_token
@@ -315,7 +309,7 @@ def test_latent_moe_adversarial_routing(impl):
     _, state = nnx.split(model)
     hf = dict(moe_hf(pure), e_score_correction_bias=bias)
     x = np.random.default_rng(4).standard_normal((2, 11, cfg.hidden_size)).astype(np.float32)
-    y, idx, w = fwd(state, x, impl)
+    y, idx, w = fwd(state, x, form)
     flat = x.reshape(-1, cfg.hidden_size)
     idx, w = by_expert(np.asarray(idx).reshape(22, k), np.asarray(w).reshape(22, k))
     np.testing.assert_array_equal(idx, np.tile(np.arange(k), (flat.shape[0], 1)))

@@ -24,20 +24,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k31jax.nn import MLAMixer
+from helpers.model import abstract, rel_err
+from k31jax.nn import KDALayerCache, MLALayerCache, MLAMixer
 from k31jax.ops import Backends, _indexer, _kda, _mla
-
-try:
-    from tests.refs import attention as RA, kda as RK
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    from refs import attention as RA, kda as RK
-
-from conftest import abstract, rel_err  # noqa: E402
-from test_ops_attention import (_indexer_setup, dsa_weights, fragile_rows, indexer_hf, mla_cfg,  # noqa: E402
+from refs import attention as RA, kda as RK
+from test_ops_attention import (_indexer_setup, dsa_weights, fragile_rows, indexer_hf, mla_cfg,
                                 selected, set_params, to_hf)
-from test_ops_attention import ref_cfg as mla_ref_cfg  # noqa: E402
-from test_ops_kda import VARIANTS, build_kda, kda_inputs  # noqa: E402
-from test_ops_kda import ref_cfg as kda_ref_cfg  # noqa: E402
+from test_ops_attention import ref_cfg as mla_ref_cfg
+from test_ops_kda import VARIANTS, build_kda, kda_inputs
+from test_ops_kda import ref_cfg as kda_ref_cfg
 
 
 # ------------------------------------------------------------------ packed layouts
@@ -337,11 +332,12 @@ def kda_mixer_fns(variant):
 
     @jax.jit
     def packed(st, x, ids):
-        return nnx.merge(graphdef, st)(x, segment_ids=ids)
+        y, cache = nnx.merge(graphdef, st)(x, segment_ids=ids)
+        return y, cache.state, cache.conv
 
     @jax.jit
     def alone(st, x, valid):  # right-padded documents: identity steps after the end
-        return nnx.merge(graphdef, st)(x, None, None, valid)
+        return nnx.merge(graphdef, st)(x, None, valid)
 
     return cfg, hf, state, packed, alone
 
@@ -489,7 +485,7 @@ def test_kda_mixer_grads_packed_equal_sum_of_documents():
     docs = documents(ids)
     (x_docs, valid), cot_docs = stack_documents(x, docs), stack_documents(cot, docs)[0]
     packed = jax.jit(jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(x, segment_ids=ids)[0] * cot)))
-    alone = jax.jit(jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(x_docs, None, None, valid)[0] * cot_docs)))
+    alone = jax.jit(jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(x_docs, None, valid)[0] * cot_docs)))
     param_grads_close(packed(state), alone(state))
 
 
@@ -541,11 +537,12 @@ def test_segment_ids_with_a_cache_are_refused():
     ids = np.ones((1, 3), np.int32)
     h, dk = cfg.kda_num_heads, cfg.kda_head_dim
     with pytest.raises(ValueError, match="KDAMixer: segment_ids"):
-        kda(x, np.zeros((1, h, dk, dk), np.float32), segment_ids=ids)
+        kda(x, KDALayerCache(np.zeros((1, h, dk, dk), np.float32),
+                             np.zeros((1, 3, h * dk, cfg.kda_conv_size - 1), np.float32)), segment_ids=ids)
     mcfg, _, mstate, _, _ = mla_mixer_fns("dense", "mask")
     model = abstract(MLAMixer, mcfg)
     nnx.update(model, mstate)
     caches = (np.zeros((1, 8, mcfg.kv_lora_rank), np.float32), np.zeros((1, 8, mcfg.qk_rope_head_dim), np.float32))
     with pytest.raises(ValueError, match="MLAMixer: segment_ids"):
-        model(np.zeros((1, 3, mcfg.hidden_size), np.float32), *caches, key_valid=np.ones((1, 8), bool),
-              segment_ids=ids)
+        model(np.zeros((1, 3, mcfg.hidden_size), np.float32), MLALayerCache(*caches, None),
+              key_valid=np.ones((1, 8), bool), segment_ids=ids)

@@ -3,10 +3,7 @@
 import numpy as np
 import pytest
 
-try:
-    from tests import refs as R
-except ImportError:  # tests/ put on sys.path by pytest's rootdir-less import mode
-    import refs as R
+import refs as R
 
 RNG = np.random.default_rng(0)
 

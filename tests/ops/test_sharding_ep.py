@@ -29,8 +29,8 @@ def _ragged_reference(operands, outputs, in_off, send, out_off):
     return outs
 
 
-@pytest.mark.parametrize("impl", CPU_EXCHANGES)
-def test_exchange_matches_ragged_all_to_all_semantics(impl):
+@pytest.mark.parametrize("exchange", CPU_EXCHANGES)
+def test_exchange_matches_ragged_all_to_all_semantics(exchange):
     p, a, cap = 8, 6, 40
     rng = np.random.default_rng(0)
     # send[s, d]: rows s sends d; each sender sends at most its a rows, some peers get none
@@ -46,7 +46,7 @@ def test_exchange_matches_ragged_all_to_all_semantics(impl):
     mesh = sharding.make_mesh(expert=8)
     spec = jax.P("expert")
     f = jax.shard_map(lambda o, out, io, ss, oo, rs: ragged_exchange(o[0], out[0], io[0], ss[0], oo[0], rs[0],
-                                                                       axis_name="expert", impl=impl)[None],
+                                                                       axis_name="expert", exchange=exchange)[None],
                       mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, check_vma=False)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     got = jax.jit(f)(operands, outputs, i32(in_off), i32(send), i32(out_off), i32(send.T))
@@ -88,7 +88,7 @@ def test_exchanges_agree_exactly_and_drop_nothing(mesh_spec, mxfp4, adversarial)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((n, ell)), jnp.float32)
     idx, pw = _routing(n, k, e, 2, adversarial)
     weights = _experts(e, i, ell, 3, mxfp4)
-    single = np.asarray(routed_experts(x, idx, pw, *weights, impl="ragged"))
+    single = np.asarray(routed_experts(x, idx, pw, *weights, form="ragged"))
     outs = {}
     for ex in CPU_EXCHANGES:
         outs[ex], plan = _run_ep(mesh_spec, x, idx, pw, weights, ex)
@@ -107,7 +107,7 @@ def test_tensor_split_finer_than_mxfp4_blocks():
     weights = _experts(e, i, ell, 6, True)
     out, plan = _run_ep("expert=4,tensor=2", x, idx, pw, weights, "dense")
     assert plan.tp_size == 2 and not plan.scale_split
-    np.testing.assert_allclose(out, routed_experts(x, idx, pw, *weights, impl="ragged"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, routed_experts(x, idx, pw, *weights, form="ragged"), rtol=1e-5, atol=1e-6)
 
 
 def test_no_plan_without_a_mesh_or_with_unsplit_experts():

@@ -20,7 +20,8 @@ from pathlib import Path
 import grimp
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO_ROOT
+
 LINT = Path(sys.executable).parent / "lint-imports"
 
 
@@ -31,20 +32,20 @@ def _lint(cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_layers_contract_holds():
-    run = _lint(ROOT)
+    run = _lint(REPO_ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 kept, 0 broken" in run.stdout
 
 
 @pytest.mark.parametrize("module,bad_import", [
-    ("config.py", "from k31jax.generate import Engine"),          # the bottom layer reaching the top
+    ("config/_model_config.py", "from k31jax.generate import Engine"),  # the bottom layer reaching the top
     ("kernels/kda_chunk/ops.py", "from k31jax.ops import _kda"),   # a kernel importing the ops it serves
     ("sharding/_rules.py", "from k31jax.nn import K31ForCausalLM"),
 ])
 def test_layers_contract_fails_on_an_upward_import(tmp_path, module, bad_import):
     """The same contract on a copy of the package with one upward import added is broken."""
-    shutil.copytree(ROOT / "k31jax", tmp_path / "k31jax", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(REPO_ROOT / "k31jax", tmp_path / "k31jax", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     target = tmp_path / "k31jax" / module
     target.write_text(target.read_text() + f"\n\ndef _upward():\n    {bad_import}\n")
     run = _lint(tmp_path)
@@ -123,7 +124,7 @@ def private_reaches(root: Path) -> list[str]:
 
 
 def test_no_package_imports_another_packages_private_names():
-    assert private_reaches(ROOT) == []
+    assert private_reaches(REPO_ROOT) == []
 
 
 @pytest.mark.parametrize("module,bad_import", [
@@ -134,7 +135,7 @@ def test_no_package_imports_another_packages_private_names():
 def test_privacy_contract_fails_on_a_private_import(tmp_path, module, bad_import):
     """The same check on a copy of the checkout with one private import added reports exactly it."""
     for top in PRIVACY_ROOTS:
-        shutil.copytree(ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "*.npz"))
+        shutil.copytree(REPO_ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "*.npz"))
     target = tmp_path / "k31jax" / module
     text = target.read_text()
     target.write_text(text + f"\n\ndef _reach():\n    {bad_import}\n")
@@ -212,7 +213,7 @@ def test_convert_is_not_an_installed_package(tmp_path):
     run = subprocess.run([sys.executable, "-c", "import convert"], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode != 0 and "No module named 'convert'" in run.stderr
     for script in ("convert.py", "export.py", "make_synthetic_release.py"):
-        run = subprocess.run([sys.executable, str(ROOT / "convert" / script), "--help"], cwd=tmp_path,
+        run = subprocess.run([sys.executable, str(REPO_ROOT / "convert" / script), "--help"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and "usage:" in run.stdout, run.stderr
     run = subprocess.run([str(LINT.parent / "k31jax"), "convert", "--help"], capture_output=True, text=True,

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.paths import REPO_ROOT
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import _results  # noqa: E402

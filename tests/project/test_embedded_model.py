@@ -81,7 +81,7 @@ def test_is_trained_on_unseen_python(loaded):
     trained model far less."""
     model, tok = loaded.model, loaded.tokenizer
     ids = [tok.bos_id] + tok.encode(SNIPPET)
-    logits, _ = model(jnp.asarray([ids[:-1]], jnp.int32))
+    logits = model(jnp.asarray([ids[:-1]], jnp.int32)).logits
     logp = np.asarray(logits[0], np.float64)
     logp = logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logp.max(-1, keepdims=True)
     nll = -logp[np.arange(len(ids) - 1), ids[1:]].sum()

@@ -1,13 +1,13 @@
 """The notebooks run top to bottom (CI executes them; outputs are not compared)."""
 
-from pathlib import Path
-
 import pytest
+
+from helpers.paths import REPO_ROOT
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

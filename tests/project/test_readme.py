@@ -8,14 +8,14 @@ that command; a line `...` stands for any number of lines (a shortened output).
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
+from helpers.paths import REPO_ROOT
 from k31jax.cli import main
 from k31jax.distributed import DEVICES
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (REPO_ROOT / "README.md").read_text()
 ELIDED = "..."
 
 

@@ -1,4 +1,4 @@
-"""Independent float64 NumPy references for k31jax, written from shared/spec only.
+"""Independent float64 NumPy references for k31jax, written from the specification only (restated in docs/).
 
 Never translated from k31jax code. See common.py, kda.py, attention.py, moe.py.
 """

@@ -1,6 +1,6 @@
 """Float64 NumPy references: gated NoPE MLA and the lightning indexer.
 
-attention.md §1-§3 and architecture.md §6, §10. Written from shared/spec only. One sequence.
+attention.md §1-§3 and architecture.md §6, §10. Written from the specification only (docs/). One sequence.
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Float64 NumPy references: norms, activations, AttnRes mix, short conv.
 
-Written from shared/spec only (architecture.md §3, §4, §8; kda.md §2). Not from k31jax code.
+Written from the specification only (docs/) (architecture.md §3, §4, §8; kda.md §2). Not from k31jax code.
 """
 
 import numpy as np

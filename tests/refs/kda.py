@@ -1,6 +1,6 @@
 """Float64 NumPy references for Kimi Delta Attention (kda.md §2-§7).
 
-Written from shared/spec only; not from k31jax code. One sequence, no batch axis.
+Written from the specification only (docs/); not from k31jax code. One sequence, no batch axis.
 """
 
 import numpy as np
@@ -71,7 +71,7 @@ def kda_layer(x, p, cfg, conv_history=None, initial_state=None):
     H, dk = int(cfg["num_heads"]), int(cfg["head_dim"])
     eps = float(cfg["rms_norm_eps"])
 
-    # §2: project, short conv (full channels, per branch), SiLU on q, k and v.
+    # kda.md §2: project, short conv (full channels, per branch), SiLU on q, k and v.
     conv_out, new_hist = {}, {}
     for b in ("q", "k", "v"):
         pre = x @ _w(p, f"{b}_proj").T  # [T, C]
@@ -89,15 +89,15 @@ def kda_layer(x, p, cfg, conv_history=None, initial_state=None):
     q = l2_normalize(q, 1e-6) * dk ** -0.5
     k = l2_normalize(k, 1e-6)
 
-    # §3: gates from x.
+    # kda.md §3: gates from x.
     z = ((x @ _w(p, "f_a_proj").T) @ _w(p, "f_b_proj").T).reshape(T, H, dk)
     g = kda_gate(z, _w(p, "A_log"), _w(p, "dt_bias"), H, cfg["lower_bound"])
     beta = sigmoid(x @ _w(p, "b_proj").T)  # [T, H]
 
-    # §4: recurrence.
+    # kda.md §4: recurrence.
     o, S = kda_recurrent(q, k, v, g, beta, initial_state)
 
-    # §7: gated RMSNorm per head (normalise, weight, then gate), o_proj.
+    # kda.md §7: gated RMSNorm per head (normalise, weight, then gate), o_proj.
     if _has(p, "g_proj"):
         G = x @ _w(p, "g_proj").T
     else:

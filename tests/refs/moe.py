@@ -1,6 +1,6 @@
 """Float64 NumPy references: MoE router, Stable LatentMoE, dense MLP.
 
-attention.md §7 and architecture.md §7-§8. Written from shared/spec only.
+attention.md §7 and architecture.md §7-§8. Written from the specification only (docs/).
 """
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Float64 NumPy references for the MoonViT-V2 tower, merge and projector.
 
-Written from shared/spec vision.md §1-§4 (and checkpoint_format.md §3.7 for the tensor
+Written from the specification, vision.md §1-§4 (and checkpoint_format.md §3.7 for the tensor
 shapes); weights are taken in the release layout (torch `[out, in]` matrices, the Conv2d
 kernel `[D, 3, p, p]`), images one at a time, so nothing here shares code or layout with k31jax.
 """

@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-from conftest import cli_env
 
+from helpers.processes import cli_env
 from k31jax.chat import ByteTokenizer, apply_chat_template
 
 openai = pytest.importorskip("openai")

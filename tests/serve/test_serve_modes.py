@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import cli_env, subprocess_env
 
+from helpers.processes import cli_env, subprocess_env
 from k31jax.cli import main
 from k31jax.generate import Engine, Request, load_model
 

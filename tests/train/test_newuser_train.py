@@ -25,9 +25,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import cli_env
 from tqdm import tqdm
 
+from helpers.paths import REPO_ROOT
+from helpers.processes import cli_env
+from helpers.vision import TINY, release_weights
 from k31jax.config import ConfigError
 from k31jax.generate import embedded_model_dir, load_model
 from k31jax.train import DataConfig, OptimConfig, TrainConfig, Trainer, eval_split, holdout_split, load_generation_model
@@ -36,7 +38,7 @@ from k31jax.train._metrics import compiling_note
 from k31jax.vision import read_processor_config
 
 K31JAX = Path(sys.executable).parent / "k31jax"
-STDLIB_TEXT = (Path(__file__).resolve().parents[1] / "k31jax" / "train" / "_data.py").read_text()
+STDLIB_TEXT = (REPO_ROOT / "k31jax" / "train" / "_data.py").read_text()
 
 
 def _run(*args, cwd=None):
@@ -111,7 +113,7 @@ TWO_LAYERS = {"num_hidden_layers": 2, "linear_attn_config": {"full_attn_layers":
 @pytest.fixture(scope="module")
 def small_config(tmp_path_factory):
     """The tiny preset cut to two layers (one KDA, one MLA): its training step compiles fast."""
-    raw = json.loads((Path(__file__).resolve().parents[1] / "configs" / "tiny.json").read_text())
+    raw = json.loads((REPO_ROOT / "configs" / "tiny.json").read_text())
     raw["text_config"].update(json.loads(json.dumps(TWO_LAYERS)), attn_res_block_size=1)
     raw["text_config"]["linear_attn_config"].update(num_heads=4, head_dim=16, short_conv_kernel_size=4,
                                                     gate_lower_bound=-5.0, use_full_rank_gate=True)
@@ -247,8 +249,6 @@ def _processor_file(folder: Path, **media) -> Path:
     ({"fixed_output_tokens": 64}, r"media_proc_cfg\.fixed_output_tokens: 64, expected null"),
 ])
 def test_processor_config_errors_name_the_field(tmp_path, media, message):
-    from test_vision import TINY
-
     path = _processor_file(tmp_path, **media)
     with pytest.raises(ConfigError, match=f"{path}: {message}"):
         read_processor_config(path, TINY)
@@ -258,10 +258,9 @@ def test_processor_config_errors_name_the_field(tmp_path, media, message):
 
 
 def test_a_release_preprocessor_config_sets_the_image_processor(tmp_path):
-    from convert_util import release_ready_model
+    from helpers.release import release_ready_model
     from k31jax.ckpt._synthetic import write_synthetic_release
     from k31jax.generate import Engine
-    from test_vision import TINY, release_weights
 
     model, params = release_ready_model(seed=5, num_hidden_layers=2, layer_types=("kda", "mla"))
     vcfg = dataclasses.replace(TINY, text_hidden_size=model.config.hidden_size)

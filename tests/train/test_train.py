@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
 from flax import nnx
 
+from helpers.model import tiny_config
 from k31jax import K31ForCausalLM
 from k31jax.quant import fake_quant
 from k31jax.train import OptimConfig, chunked_cross_entropy
@@ -19,8 +19,7 @@ from k31jax.ops import Backends
 
 # ---------------------------------------------------------------------------- packing
 def _doc_losses(model, tokens, segment_ids, targets, mask):
-    hidden, _, _ = model.hidden_states(tokens, segment_ids=segment_ids)
-    logits = model.logits(hidden)
+    logits = model.logits(model.hidden_states(tokens, segment_ids=segment_ids).hidden)
     logp = jax.nn.log_softmax(logits, -1)
     nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
     return nll * mask
@@ -119,7 +118,7 @@ def test_qat_gradient_is_the_straight_through_one():
 
     def loss(graphdef, p):
         model = nnx.merge(graphdef, p)
-        hidden, _, _ = model.hidden_states(tokens)
+        hidden = model.hidden_states(tokens).hidden
         return chunked_cross_entropy(hidden, model.lm_head[...], jnp.roll(tokens, -1, 1),
                                      jnp.ones(tokens.shape, jnp.float32), vocab_chunk=100)[0]
 

@@ -8,11 +8,7 @@ import pytest
 from k31jax.ops import route
 from k31jax.train._balance import (SignBiasUpdate, expert_load, load_metrics,
                                    sequence_balance_loss)
-
-try:
-    from tests.refs import train as ref
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    from refs import train as ref
+from refs import train as ref
 
 
 def _routing(seed, lead, b, t, e, k):

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
 from flax import nnx
 
+from helpers.model import tiny_config
 from k31jax.chat import KimiTokenizer, train_bpe, write_tiktoken_model
 from k31jax.cli import build_parser, main
 from k31jax.cli._train import _config_from_args, _defaults
@@ -33,13 +33,9 @@ from k31jax.nn import K31ForCausalLM, abstract_model
 from k31jax.train import (DataConfig, OptimConfig, TrainConfig, indexer_distill_terms, indexer_kl, indexer_recall,
                           load_any, load_run, read_metrics, topk_recall, train, with_index_topk)
 from k31jax.train._trainer import _tokenizer_dir
+import refs as R
+from refs import distill as RD
 
-try:
-    from tests import refs as R
-    from tests.refs import distill as RD
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    import refs as R
-    from refs import distill as RD
 
 T = 37  # not a multiple of the query chunk (16) below
 SEGMENTS = np.array([[1] * 21 + [2] * 13 + [0] * 3, [1] * T], np.int32)  # two documents + padding; one

@@ -8,11 +8,7 @@ import numpy as np
 import pytest
 
 from k31jax.train._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
-
-try:
-    from tests.refs import train as ref
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    from refs import train as ref
+from refs import train as ref
 
 
 def _inputs(seed, b, t, d, v, dtype=np.float32, ignore_some=True):

@@ -11,17 +11,13 @@ import optax
 import pytest
 from flax import nnx
 
+from helpers.model import tiny_config
 from k31jax import K31ForCausalLM
 from k31jax.train._lora import init_lora, apply_lora
 from k31jax.train._optim import (OptimConfig, decay_mask, learning_rate_schedule, make_optimizer,
                                  map_by_path, param_labels)
+from refs import train as ref
 
-from conftest import tiny_config  # noqa: E402
-
-try:
-    from tests.refs import train as ref
-except ImportError:  # rootdir-less import mode puts tests/ itself on sys.path
-    from refs import train as ref
 
 # ---------------------------------------------------------------- the tiny K3.1 model's paths
 
@@ -340,7 +336,7 @@ def test_lora_on_the_scanned_tiny_model():
 
     @jax.jit
     def logits(p, adapters):
-        return nnx.merge(graphdef, apply_lora(p, adapters), rest)(tokens)[0]
+        return nnx.merge(graphdef, apply_lora(p, adapters), rest)(tokens).logits
 
     trained = dataclasses.replace(lora, b={p: jnp.asarray(0.1 * rng.standard_normal(b.shape), jnp.float32)
                                            for p, b in lora.b.items()})

@@ -12,9 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import cli_env
 from flax import nnx
 
+from helpers.processes import cli_env
 from k31jax.train import DataConfig, OptimConfig, TrainConfig, Trainer
 from k31jax.train._steps import overlay
 

@@ -18,45 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers.model import rel_err
+from helpers.vision import GRIDS, TINY, images, patchify, release_weights
 from k31jax import sharding
 from k31jax.config import ConfigError, ModelConfig, VisionConfig, preset_dir
 from k31jax.vision import (VisionLoadError, count_vision_params, load_vision_model, pack_images, release_shapes,
                            vision_state)
 from k31jax.vision import _ops
 from k31jax.vision._layout import bilinear_taps
-
-try:
-    from tests.refs import vision as RV
-except ImportError:
-    from refs import vision as RV
-
-TINY = VisionConfig(patch_size=4, hidden_size=24, intermediate_size=48, num_attention_heads=4, qkv_hidden_size=32,
-                    num_hidden_layers=2, pos_emb_height=5, pos_emb_width=7, mm_hidden_size=24, text_hidden_size=20)
-# Two images of different, non-square grids (rows, columns); 6x4 upsamples the 5x7 table's
-# rows and downsamples its columns, 4x10 the other way round.
-GRIDS = [(6, 4), (4, 10)]
-
-
-def release_weights(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in release_shapes(cfg).items():
-        if len(shape) == 1:  # norm weights around 1, not 1
-            out[name] = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            out[name] = rng.standard_normal(shape) * (1.0 if "pos_emb" in name else 1.0 / np.sqrt(shape[-1]))
-    return out
-
-
-def patchify(image, p):
-    c, h, w = image.shape
-    return image.reshape(c, h // p, p, w // p, p).transpose(1, 3, 0, 2, 4).reshape(-1, c, p, p)
-
-
-def images(cfg, grids, seed=1):
-    rng = np.random.default_rng(seed)
-    return [rng.uniform(-1, 1, (3, h * cfg.patch_size, w * cfg.patch_size)) for h, w in grids]
+from refs import vision as RV
 
 
 def reference(weights, imgs, grids, cfg):

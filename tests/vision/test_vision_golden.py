@@ -3,17 +3,17 @@ torch venv): the K3 processor on two differently sized PNGs (one RGBA, both resi
 together, then the tower, the 2x2 merge and the projector, within 1e-5 relative in float32."""
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from helpers.model import rel_err
+from helpers.paths import GOLDEN_DIR
 from k31jax.config import VisionConfig
 from k31jax.vision import ImageProcessorConfig, load_vision_model, pack_images, preprocess_image
 
-GOLDEN = Path(__file__).parent / "golden" / "vision_tiny.npz"
+GOLDEN = GOLDEN_DIR / "vision_tiny.npz"
 
 
 @pytest.fixture(scope="module")

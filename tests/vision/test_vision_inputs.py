@@ -17,11 +17,8 @@ from PIL import Image
 from k31jax.chat import ChatTemplateError, media_block, render_k3
 from k31jax.vision import (ImageError, ImageLimits, ImagePrompts, ImageProcessorConfig, decode_image, pad_rows,
                            plan_resize, preprocess_image, splice_image_embeddings)
+from refs import vision as RV
 
-try:
-    from tests.refs import vision as RV
-except ImportError:
-    from refs import vision as RV
 
 PAD = 163605
 

@@ -1,6 +1,6 @@
 """Loading the vision tower and projector with the text model, and sharding it.
 
-A 2-layer tiny text model with a tiny MoonViT (the `TINY` tower of test_vision.py at the
+A 2-layer tiny text model with a tiny MoonViT (the `TINY` tower of `helpers.vision` at the
 text width) written in the release layout from known tensors, then converted to Orbax:
 - `load_checkpoint(vision=True)` and `load_hf_weights(vision=True)` return the text model
   and a `VisionModel` whose parameters and forward (tower, merge, projector on two packed
@@ -23,15 +23,15 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conftest import rel_err
-from convert_util import release_ready_model
+from helpers.model import rel_err
+from helpers.release import release_ready_model
+from helpers.vision import GRIDS, TINY, images, patchify, release_weights
 from k31jax import convert, sharding
 from k31jax.ckpt import (CheckpointError, ModelWithVision, load_checkpoint, load_checkpoint_vision,
                          load_hf_weights)
 from k31jax.ckpt._synthetic import write_synthetic_release
 from k31jax.distributed import load_sharded, shard_model
 from k31jax.vision import VisionLoadError, VisionModel, load_vision_model, pack_images
-from test_vision import GRIDS, TINY, images, patchify, release_weights
 
 TEXT = dict(num_hidden_layers=2, layer_types=("kda", "mla"))
 features = jax.jit(lambda m, x: m.features(x))

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from convert_util import tensors_of
-from fault_util import assert_clean, dead_pid, hold_lock, make_temp_tree, one_error, run, tree_digest
+from helpers.faults import assert_clean, dead_pid, hold_lock, make_temp_tree, one_error, run, tree_digest
+from helpers.model import tiny_config
+from helpers.release import tensors_of
 from k31jax.ckpt import checkpoint_info
 from k31jax.ckpt._orbax import load_stored
 from k31jax.ckpt import write_synthetic_release

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import tiny_config
-from fault_util import one_error, run, tree_digest
+from helpers.faults import one_error, run, tree_digest
+from helpers.model import tiny_config
 from k31jax.ckpt import convert, write_synthetic_release
 
 

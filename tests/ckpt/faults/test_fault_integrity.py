@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from conftest import tiny_config
-from fault_util import assert_clean, one_error, run, run_with_output, tree_digest
+from helpers.faults import assert_clean, one_error, run, run_with_output, tree_digest
+from helpers.model import tiny_config
 from k31jax.ckpt import IntegrityError, load_checkpoint
 from k31jax.ckpt._manifest import MANIFEST_FILE, hash_file
 from k31jax.ckpt import convert, verify_checkpoint, write_synthetic_release

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_util import TEMP_RE, assert_clean, run, tree_digest
+from helpers.faults import TEMP_RE, assert_clean, run, tree_digest
 from k31jax.ckpt import checkpoint_info
 from k31jax.ckpt import convert, synthetic_config, write_synthetic_release
 

@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from conftest import tiny_config
-from fault_util import assert_clean, one_error, run, run_bare, run_with_output, tree_digest
+from helpers.faults import assert_clean, one_error, run, run_bare, run_with_output, tree_digest
+from helpers.model import tiny_config
 from k31jax.ckpt import SafetensorsIndex, load_checkpoint
 from k31jax.ckpt import convert, write_synthetic_release
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fault_util import one_error, run_bare
+from helpers.faults import one_error, run_bare
 from k31jax.cli import _generate
 
 

@@ -1,0 +1,12 @@
+"""Where the tests' data lives, so that no test counts its own folder's depth."""
+
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = TESTS_DIR.parent
+# Checked-in golden outputs of peer implementations, and the scripts that made them.
+GOLDEN_DIR = TESTS_DIR / "golden"
+# Scripts the tests run as separate processes.
+MULTIPROCESS_DIR = TESTS_DIR / "multiprocess"
+# Data shared by the workspace next to the checkout (the K3 release golden, the spec's inventory).
+SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
