@@ -22,12 +22,12 @@ from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_
                          init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
                          state_shardings, state_specs)
 from ._plan import DEVICES, GB, MemoryPlan, plan_memory, suggest_mesh
-from ._plan_train import (MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, TrainingMemoryPlan, plan_training,
+from ._plan_train import (MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, TrainingMemoryPlan, is_trained, plan_training,
                           suggest_training_mesh)
 
 __all__ = [
     "DEVICES", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "backends_started", "cache_shardings",
-    "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "load_sharded", "logical_axes",
+    "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "is_trained", "load_sharded", "logical_axes",
     "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
     "suggest_mesh", "suggest_training_mesh", "tune_host_malloc",
 ]

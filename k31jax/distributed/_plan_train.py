@@ -61,7 +61,23 @@ from ..sharding import (Rules, abstract_mesh, get_rules, logical_to_spec, mesh_s
 from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _shard_bytes,
                     candidate_meshes)
 
-TRAINABLE_SETS = ("all", "experts", "indexer", "no_embed")
+# Which leaves each trainable set trains, by the leaf's path ("moe/w_up/packed", "mla/indexer/wk",
+# ...): the trainer's optimizer labels (`k31jax.train`) and this planner read the same table.
+_ROUTED_EXPERTS = re.compile(r"moe/w_(gate|up|down)(/(packed|scale))?")
+_TRAINED = {
+    "all": lambda path: True,
+    "experts": lambda path: _ROUTED_EXPERTS.fullmatch(path) is not None,
+    "indexer": lambda path: re.fullmatch(r"mla/indexer/.*", path) is not None,
+    "no_embed": lambda path: re.fullmatch(r"embed|lm_head", path) is None,
+}
+TRAINABLE_SETS = tuple(_TRAINED)
+
+
+def is_trained(trainable: str, path: str) -> bool:
+    """Whether the trainable set `trainable` (one of `TRAINABLE_SETS`) trains the leaf at `path`."""
+    return _TRAINED[trainable](path)
+
+
 OPTIMIZERS = ("adamw", "muon")
 MASTER_DTYPES = ("float32", "bfloat16")
 
@@ -75,14 +91,7 @@ try:  # what JAX keeps for a backward pass (not re-exported publicly by every ja
     from jax.ad_checkpoint import saved_residuals
 except ImportError:  # pragma: no cover - older jax
     from jax._src.ad_checkpoint import saved_residuals
-# The trainable sets and Muon's choice of matrices, as `k31jax.train._optim` makes them.
-_ROUTED_EXPERTS = re.compile(r"moe/w_(gate|up|down)(/(packed|scale))?")
-_TRAINED = {
-    "all": lambda p: True,
-    "experts": lambda p: _ROUTED_EXPERTS.fullmatch(p) is not None,
-    "indexer": lambda p: re.fullmatch(r"mla/indexer/.*", p) is not None,
-    "no_embed": lambda p: re.fullmatch(r"embed|lm_head", p) is None,
-}
+# Muon's choice of matrices, as `k31jax.train` makes them.
 _BATCH_AXES = ("layers", "expert")
 _KINDS = ("kda", "mla", "dense", "moe")
 
@@ -90,7 +99,7 @@ _KINDS = ("kda", "mla", "dense", "moe")
 def _label(path: str, names: tuple, dtype, trainable: str, optimizer: str) -> str:
     """"frozen", "muon" or "adamw" for one leaf (see `k31jax.train.param_labels`)."""
     if (not jnp.issubdtype(dtype, jnp.floating) or re.fullmatch(r"(.*/)?gate_bias", path)
-            or not _TRAINED[trainable](path)):
+            or not is_trained(trainable, path)):
         return "frozen"
     batch = sum(a in _BATCH_AXES for a in names)
     is_matrix = (len(names) - batch == 2 and all(a in _BATCH_AXES for a in names[:batch])

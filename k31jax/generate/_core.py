@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ThinkingBudget
-from ..nn import LAYER_STACKS, Cache, expert_words, unstack_layers
+from ..nn import LAYER_STACKS, ROUTED_EXPERTS, Cache, expert_words, unstack_layers
 from ..ops import Backends
 from ..vision import ImagePrompts
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
@@ -50,7 +50,6 @@ from ._slots import Snapshot, scratch_fields, scratch_shapes, snapshot_of
 # the routed experts (those are gathered by row, never copied whole): benchmarks/scan.py,
 # RESULTS.md "## scan". Per-layer rows pay off above about 1 MB of such weights per layer.
 ROWS_MIN_LAYER_BYTES = 1 << 20
-ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
 
 
 def _rows_pay_off(state, num_layers: int) -> bool:

@@ -47,23 +47,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-# the training memory planner, a layer below, checks the same choices: one definition, there
-from ..distributed import OPTIMIZERS, TRAINABLE_SETS
+# the training memory planner, a layer below, counts the same choices: one definition, there
+from ..distributed import OPTIMIZERS, TRAINABLE_SETS, is_trained
 
 # optimizer labels; a leaf's label decides its transformation (and its state)
 MUON, ADAMW, ADAMW_NO_DECAY, FROZEN = "muon", "adamw", "adamw_no_decay", "frozen"
 
 _BATCH_AXES = ("layers", "expert")
 _ROUTER_BIAS = re.compile(r"(.*/)?gate_bias")
-_ROUTED_EXPERTS = re.compile(r"moe/w_(gate|up|down)(/(packed|scale))?")
-_INDEXER = re.compile(r"mla/indexer/.*")
-_EMBED_HEAD = re.compile(r"embed|lm_head")
-_TRAINABLE = {
-    "all": lambda path: True,
-    "experts": lambda path: _ROUTED_EXPERTS.fullmatch(path) is not None,
-    "indexer": lambda path: _INDEXER.fullmatch(path) is not None,
-    "no_embed": lambda path: _EMBED_HEAD.fullmatch(path) is None,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +195,7 @@ def _decays(leaf: _Leaf) -> bool:
 
 def _label(leaf: _Leaf, trainable: str, optimizer: str) -> str:
     if (not leaf.is_float or _ROUTER_BIAS.fullmatch(leaf.path)
-            or not _TRAINABLE[trainable](leaf.path)):
+            or not is_trained(trainable, leaf.path)):
         return FROZEN
     if optimizer == "muon" and leaf.muon_dims is not None:
         return MUON
@@ -212,7 +203,7 @@ def _label(leaf: _Leaf, trainable: str, optimizer: str) -> str:
 
 
 def _check_trainable(table: dict[str, _Leaf], trainable: str) -> None:
-    packed = [leaf.path for leaf in table.values() if not leaf.is_float and _TRAINABLE[trainable](leaf.path)]
+    packed = [leaf.path for leaf in table.values() if not leaf.is_float and is_trained(trainable, leaf.path)]
     if packed:
         raise ValueError(
             f"trainable={trainable!r} includes non-float (MXFP4-packed) parameters {packed}: QAT trains "
