@@ -11,6 +11,7 @@ sets the compiler's figures beside the planner's (`k31jax.distributed.plan_memor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -107,6 +108,16 @@ def _placed(tree, shardings):
 def _replicated(tree, mesh):
     rep = NamedSharding(mesh, P())
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+
+
+def _rows(tree, mesh, rules):
+    """Per-row arrays placed as the engine's programs pin them (the sampler state: rows sharded
+    like the cache's `batch` axis), so a donated one is aliased as it is in the engine."""
+    def place(a):
+        spec = logical_to_spec(("batch",) + (None,) * (len(a.shape) - 1), a.shape, dict(mesh.shape), rules)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, tree)
 
 
 def expected_local_experts(cfg: ModelConfig, tokens: int, expert_shards: int) -> float:
@@ -211,8 +222,10 @@ def _versions() -> dict:
 def step_floor(cfg: ModelConfig, plan, step: str, tokens: int, expert_shards: int) -> tuple[int, str]:
     """The per-call HBM bytes no implementation can go below: every local weight other than the
     routed experts read once; the routed experts' packed bytes for the experts this device's
-    rows are expected to choose (decode) or all local ones (prefill); the cache read once, and
-    the KDA state and this call's new MLA rows written."""
+    rows are expected to choose (decode) or all local ones (prefill); the cache read once (at
+    decode with the indexer selecting, of the MLA latents only the `index_topk` rows a query
+    selects: the indexer keys are all read, the latents gathered), and the KDA state and this
+    call's new MLA rows written."""
     w = plan.weights
     if step == "decode" and cfg.moe_layers:
         chosen = expected_local_experts(cfg, tokens, expert_shards)
@@ -224,6 +237,9 @@ def step_floor(cfg: ModelConfig, plan, step: str, tokens: int, expert_shards: in
         note = "experts: all local ones, packed"
     c = plan.cache
     cache = sum(c.values()) + c["kda_state"] + c["kda_conv"]
+    if step == "decode" and cfg.use_indexer and plan.context > cfg.index_topk:
+        cache -= (c["mla_ckv"] + c["mla_kpe"]) * (1 - cfg.index_topk / plan.context)
+        note += f"; MLA latents: the {cfg.index_topk:,} selected rows"
     return int(w["rest"] + experts + cache), note
 
 
@@ -269,9 +285,12 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     state = expert_words(state)  # the layout the engine runs on an accelerator
     cache = abstract_cache(cfg, batch, context)
     cache = _placed(cache, cache_shardings(cache, m, rules))
-    jitted = engine_program(step).jitted
+    program = engine_program(step)
+    jitted = program.jitted
     if step == "decode":
-        token, sampler, token_rules = _replicated(abstract_decode_inputs(cfg.vocab_size, batch), m)
+        token, sampler, token_rules = abstract_decode_inputs(cfg.vocab_size, batch)
+        token, token_rules = _replicated((token, token_rules), m)
+        sampler = _rows(sampler, m, rules)
         args = (graphdef, backends, state, cache, token, sampler, token_rules)
         tokens = batch
     else:
@@ -280,7 +299,8 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
         args = (graphdef, backends, state, cache) + tuple(_replicated((tokens_in, valid), m))
         tokens = batch * chunk
     lower_s, compile_s, memory, text, xla = _compile(jitted, args, m, rules, f"{step} of {name} on {topology}",
-                                                     dump and Path(dump) / f"{name}.{step}.hlo.txt")
+                                                     dump and Path(dump) / f"{name}.{step}.hlo.txt",
+                                                     functools.partial(program.compile, platform="tpu"))
     expert_shards = _expert_shards(cfg, shape, rules)
     chosen = expected_local_experts(cfg, tokens, expert_shards) if cfg.moe_layers else 1
     hlo = analyse(text, {"selected_experts": chosen})
@@ -298,14 +318,14 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
                          hlo, xla, floor, note, _versions())
 
 
-def _compile(jitted, args, mesh, rules, what: str, dump: Path | None):
+def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lowered=None):
     """(lower s, compile s, the compiler's per-device memory, optimized HLO, XLA's cost totals)."""
     t0 = time.perf_counter()
     with activate(mesh, rules):
         lowered = jitted.lower(*args)
     t1 = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        compiled = compile_lowered(lowered) if compile_lowered else lowered.compile()
     except Exception as exc:
         raise CompileError(f"{what}: the TPU compiler failed: {str(exc).splitlines()[0][:400]}") from None
     t2 = time.perf_counter()

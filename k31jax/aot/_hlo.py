@@ -41,7 +41,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
                    "call", "after-all", "partition-id", "replica-id", "iota", "copy-done", "all-gather-done",
                    "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
-                   "opt-barrier", "custom-call-done"})
+                   "opt-barrier", "custom-call-done", "call-done"})  # an async call's work is its call-update's
 _SLICE_USES = frozenset({"dynamic-slice", "slice", "gather"})
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
@@ -192,7 +192,19 @@ def _operand_read_bytes(ins: Instruction, k: int, by_name, comps) -> int:
         return 0
     if ins.opcode == "fusion":
         return _fused_read(comps, ins.called("calls") or "", k, full)
+    if ins.opcode == "call-update":  # operands (the call-start, then the call's own arguments)
+        called = _async_called(ins, by_name)
+        return 0 if k == 0 or called is None else _fused_read(comps, called, k - 1, full)
     return full
+
+
+def _async_called(ins: Instruction, by_name) -> str | None:
+    """The computation an asynchronous call (`call-start` -> `call-update`s -> `call-done`, e.g.
+    a gather the compiler offloads to a SparseCore) runs: the `to_apply` of its call-start."""
+    start = by_name.get(ins.operands[0]) if ins.operands else None
+    while start is not None and start.opcode == "call-update":
+        start = by_name.get(start.operands[0]) if start.operands else None
+    return start.called("to_apply") if start is not None and start.opcode == "call-start" else None
 
 
 def _fused_read(comps, body_name: str, k: int, full: int) -> int:
@@ -203,17 +215,46 @@ def _fused_read(comps, body_name: str, k: int, full: int) -> int:
     if param is None:
         return full
     total = 0
-    for user in (u for u in body if param.name in u.operands):
-        first = user.operands[0] == param.name
+    read = _read_through(body, comps, param.name, param.shape[0].bytes if param.shape else full)
+    return full if read is None else min(full, read)
+
+
+def _read_through(body: list[Instruction], comps, name: str, size: int) -> int | None:
+    """Bytes the uses of value `name` (`size` bytes) inside a fused computation read: slices
+    their slice, in-place updates nothing, nested fusions what they read, and a pad or bitcast
+    what its own uses read (the compiler pads an operand to window it, then slices the window:
+    only the windows are read); None where some use reads all of it."""
+    total = 0
+    for user in (u for u in body if name in u.operands):
+        first = user.operands[0] == name
         if user.opcode in _SLICE_USES and first:
             total += sum(a.bytes for a in user.shape)
         elif user.opcode == "dynamic-update-slice" and first:
             continue
-        elif user.opcode == "fusion":
-            total += _fused_read(comps, user.called("calls") or "", user.operands.index(param.name), full)
+        elif user.opcode in ("fusion", "call-start", "call"):
+            called = user.called("calls") or user.called("to_apply") or ""
+            read = _fused_read(comps, called, user.operands.index(name), size)
+            if read >= size and _same_elements(user, size, body, name):
+                # a relayout or convert of the whole value, fused into its users: the emitter
+                # makes only the windows they read (a dynamic-slice of a layer of a stack)
+                inner = _read_through(body, comps, user.name, user.shape[0].bytes)
+                read = size if inner is None else min(size, inner * size // max(user.shape[0].bytes, 1))
+            total += read
+        elif user.opcode in ("pad", "bitcast") and first and user.shape:
+            inner = _read_through(body, comps, user.name, user.shape[0].bytes)
+            if inner is None:
+                return None
+            total += inner
         else:
-            return full
-    return min(full, total)
+            return None
+    return total
+
+
+def _same_elements(user: Instruction, size: int, body: list[Instruction], name: str) -> bool:
+    """Whether nested fusion `user` makes one array of as many elements as value `name`."""
+    src = next((i for i in body if i.name == name), None)
+    return (user.opcode == "fusion" and len(user.shape) == 1 and src is not None and len(src.shape) == 1
+            and math.prod(user.shape[0].dims) == math.prod(src.shape[0].dims))
 
 
 def _result_write_bytes(ins: Instruction, by_name, comps) -> int:
@@ -233,7 +274,18 @@ def _result_write_bytes(ins: Instruction, by_name, comps) -> int:
             else:
                 total += arr.hbm_bytes
         return total
-    return sum(a.hbm_bytes for a in ins.shape)
+    return sum(a.hbm_bytes for a in _made(ins))
+
+
+def _made(ins: Instruction) -> list[Array]:
+    """The arrays an instruction makes: its result, less the operands an asynchronous start
+    or update carries in its result tuple (`call-update`: ((its arguments), its result,
+    context); `copy-start`: (destination, source, context))."""
+    if ins.opcode == "call-update":
+        return ins.shape[len(ins.operands) - 1:]
+    if ins.opcode == "copy-start":
+        return ins.shape[:1]
+    return ins.shape
 
 
 def _updates_in_place(ins: Instruction, comps) -> bool:
@@ -362,7 +414,7 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
             hbm += int(times * _instruction_bytes(ins))
             if _updates_in_place(ins, comps):
                 continue  # its result is its operand's buffer, not a new one
-            for arr in ins.shape:
+            for arr in _made(ins):
                 if arr.memory_space == 0:
                     buffers.append((arr.bytes, str(arr), ins.opcode, ins.op_name, arr.dtype))
     buffers.sort(key=lambda r: -r[0])

@@ -118,7 +118,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, context: int, chunk: int, mes
             s_blk = min(s, _INDEX_KEY_BLOCK) if t > 1 else s  # prefill streams the keys in blocks
             m += 2 * b * t * hi_loc * s_blk * f32 + 2 * b * t * (s_blk + k) * f32  # index dots + ReLU, scores
             if t * s > _MASK_PATH_MAX:
-                m += b * t * k * (r + dr) * f32 + 2 * per_logit * k * f32
+                # the gathered rows stay in the cache's dtype: the float32 convert is fused into
+                # the dots that read them (the TPU compiler's buffers, `k31jax compile`)
+                m += b * t * k * (r + dr) * act + 2 * per_logit * k * f32
             else:
                 m += b * s_loc * h_loc * (cfg.qk_nope_head_dim + cfg.v_head_dim) * act
                 m += 2 * per_logit * s * f32 + b * t * s * 5

@@ -155,6 +155,14 @@ def _insert_sampler_row(sampler: SamplerState, row: SamplerState, slot) -> Sampl
 
 
 # ---- the table --------------------------------------------------------------------------
+# What the TPU compiler is told for every generation program (and for `k31jax compile`, so
+# its report is of these programs). On TPU7x the compiler gives 16-bit arrays a (16, 128) tile
+# inside loops while arguments keep (8, 128), and so relaid every bf16 weight stack the scan
+# over layers reads, out of place, on every decode step: K3.1 Pro at 1M tokens on tpu7x:2x4x4,
+# 12 GB of temporaries and 27 GB of traffic per step per chip (benchmarks/RESULTS.md "## compile").
+TPU_COMPILER_OPTIONS = {"xla_tpu_control_large_2nd_minor_layout_for_x16": "false"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One kind of program: its function, jit settings and what the core supplies.
@@ -173,6 +181,12 @@ class Program:
     @functools.cached_property
     def jitted(self):
         return jax.jit(self.fn, static_argnames=self.static, donate_argnames=self.donate)
+
+    def compile(self, lowered, platform: str | None = None):
+        """`lowered` (this program's `jitted.lower(...)`) compiled as the engine compiles it:
+        with `TPU_COMPILER_OPTIONS` for a TPU (`platform`, default the default backend's)."""
+        tpu = (platform or jax.default_backend()) == "tpu"
+        return lowered.compile(compiler_options=dict(TPU_COMPILER_OPTIONS) if tpu else None)
 
     @functools.cached_property
     def static_positions(self) -> frozenset[int]:
@@ -304,7 +318,7 @@ class ProgramCache:
             busy.wait()  # another thread compiles it (if that failed, this one tries)
         try:
             t0 = time.perf_counter()
-            fn = program.jitted.lower(*supplied, *args).compile()
+            fn = program.compile(program.jitted.lower(*supplied, *args))
             with self._lock:
                 self._compiled[key] = fn
                 self.compile_seconds += time.perf_counter() - t0

@@ -25,7 +25,7 @@ CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "kda_state": ("layers", "batch", "act_heads", None, None),  # [Lk, B, H, dk, dv] fp32
     "kda_conv": ("layers", "batch", None, "act_heads", None),   # [Lk, B, 3, H·dk, K-1] fp32
     "mla_ckv": ("layers", "batch", "cache_seq", "kv_lora"),     # [Lm, B, S, r]
-    "mla_kpe": ("layers", "batch", "cache_seq", None),          # [Lm, B, S, dr]
+    "mla_kpe": ("layers", "batch", "cache_seq", None),          # [Lm, B, S, dr padded to KPE_LANES]
     "index_keys": ("layers", "batch", "cache_seq", None),       # [Lm, B, S, dI]
     "key_valid": ("batch", "cache_seq"),                        # [B, S]
     "pos": (),                                                  # []
@@ -40,7 +40,8 @@ class Cache:
     kda_state   `[n_kda, B, H, dk, dv]` fp32, key-major recurrent state.
     kda_conv    `[n_kda, B, 3, H·dk, K-1]` fp32, last K-1 pre-conv q/k/v inputs, oldest first.
     mla_ckv     `[n_mla, B, S, kv_lora_rank]` post-norm latent, activation dtype.
-    mla_kpe     `[n_mla, B, S, qk_rope_head_dim]` raw k_pe.
+    mla_kpe     `[n_mla, B, S, kpe_width(cfg)]` raw k_pe in the first qk_rope_head_dim lanes,
+                zeros after (`kpe_width`).
     index_keys  `[n_mla, B, S, index_head_dim]` indexer keys (None without the indexer).
     key_valid   `[B, S]` slots holding real (written, non-padding) tokens.
     pos         `[]` int32, tokens written so far (the next write position).
@@ -100,7 +101,8 @@ class MLALayerCache:
     With `layer` None the arrays are the layer's own, without the leading `Lm` axis.
 
     ckv         `[Lm, B, S, kv_lora_rank]` post-norm latents.
-    kpe         `[Lm, B, S, qk_rope_head_dim]` raw k_pe.
+    kpe         `[Lm, B, S, ≥ qk_rope_head_dim]` raw k_pe (first dr lanes; the model's cache pads
+                its rows, `kpe_width`).
     index_keys  `[Lm, B, S, index_head_dim]` indexer keys (None without the indexer).
     layer       this layer's row (an int, or traced inside the scan over layers), or None.
     """
@@ -109,6 +111,19 @@ class MLALayerCache:
     kpe: Float[Array, "*Lm B S dr"]
     index_keys: Float[Array, "*Lm B S dI"] | None
     layer: Int[Array, ""] | int | None = None
+
+
+KPE_LANES = 128
+
+
+def kpe_width(cfg: ModelConfig) -> int:
+    """Lanes of a k_pe cache row: qk_rope_head_dim rounded up to `KPE_LANES`. A TPU array's
+    minor dimension is tiled in 128 lanes; a 64-wide leaf gets a sequence-minor default
+    layout instead (no padding), which the gather of selected rows cannot read, so the
+    compiler relaid the whole stack out and back every decode step (2 x 3.2 GB per chip at
+    1M tokens, `k31jax compile`). Padded rows cost what the gather's layout costs anyway:
+    64 more lanes per token (K3: 576 -> 640 per MLA row, +11%)."""
+    return -(-cfg.qk_rope_head_dim // KPE_LANES) * KPE_LANES
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
@@ -121,11 +136,22 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
         kda_state=zeros((nk, batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32) if nk else None,
         kda_conv=zeros((nk, batch, 3, c, cfg.kda_conv_size - 1), jnp.float32) if nk else None,
         mla_ckv=zeros((nm, batch, max_len, cfg.kv_lora_rank), act) if nm else None,
-        mla_kpe=zeros((nm, batch, max_len, cfg.qk_rope_head_dim), act) if nm else None,
+        mla_kpe=zeros((nm, batch, max_len, kpe_width(cfg)), act) if nm else None,
         index_keys=zeros((nm, batch, max_len, cfg.index_head_dim), act) if nm and cfg.use_indexer else None,
         key_valid=zeros((batch, max_len), bool),
         pos=jnp.zeros((), jnp.int32),
     )
+
+
+def constrain_new_rows(leaf: str, rows: jax.Array) -> jax.Array:
+    """New tokens' rows `[B, T, d]` for cache leaf `leaf` (one of the MLA stacks), sharded as
+    that leaf is but along the sequence (a few new tokens are not split). Writing rows sharded
+    otherwise into the stacks (the latent as its projection leaves it, split over `tensor`)
+    makes XLA's SPMD partitioner re-split the whole stack to match the update and all-gather
+    it back: K3.1 Pro's 1M-token decode did not fit a 64-chip tpu7x slice (114 GB of
+    temporaries per chip, `k31jax compile`)."""
+    _, batch, _, last = CACHE_AXES[leaf]
+    return constrain(rows, batch, None, last)
 
 
 def constrain_cache(cache: Cache | None) -> Cache | None:

@@ -9,7 +9,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..ops import (Backends, indexer_keys, indexer_queries, mla_attention, mla_attention_absorbed,
                    mla_attention_sparse, rms_norm, select_topk, selection_mask)
-from ._cache import MLALayerCache
+from ._cache import MLALayerCache, constrain_new_rows
 from ._param import constant, normal
 
 _LATENT_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
@@ -132,17 +132,21 @@ class MLAMixer(nnx.Module):
         else:
             layer = cache.layer
 
-            def upd(buf, new):
+            def upd(leaf, buf, new):
+                lanes = buf.shape[-1] - new.shape[-1]  # k_pe rows are padded (`kpe_width`)
+                new = jnp.pad(new, ((0, 0), (0, 0), (0, lanes))) if lanes else new
+                new = constrain_new_rows(leaf, new.astype(buf.dtype))
                 if layer is None:
-                    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), pos, axis=1)
-                return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype)[None], (layer, 0, pos, 0))
+                    return jax.lax.dynamic_update_slice_in_dim(buf, new, pos, axis=1)
+                return jax.lax.dynamic_update_slice(buf, new[None], (layer, 0, pos, 0))
 
             def row(buf):
                 return buf if layer is None or buf is None else jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False)
 
-            cache = MLALayerCache(upd(cache.ckv, c_kv), upd(cache.kpe, k_pe),
-                                  cache.index_keys if idx_k is None else upd(cache.index_keys, idx_k), layer)
-            keys_ckv, keys_kpe, keys_idx = row(cache.ckv), row(cache.kpe), row(cache.index_keys)
+            cache = MLALayerCache(upd("mla_ckv", cache.ckv, c_kv), upd("mla_kpe", cache.kpe, k_pe),
+                                  cache.index_keys if idx_k is None else upd("index_keys", cache.index_keys, idx_k),
+                                  layer)
+            keys_ckv, keys_kpe, keys_idx = row(cache.ckv), row(cache.kpe)[..., :k_pe.shape[-1]], row(cache.index_keys)
         s_len = keys_ckv.shape[1]
         q_pos = pos + jnp.arange(t)
         mask = (jnp.arange(s_len)[None, None, :] <= q_pos[None, :, None]) & key_valid[:, None, :]
@@ -158,8 +162,12 @@ class MLAMixer(nnx.Module):
             if sparse_form == "auto":
                 sparse_form = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_form == "gather":
-            o = mla_attention_sparse(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, sel_idx,
-                                     sel_valid, self.scale, impl=backends.kernels, segment_ids=segment_ids)
+            # a cache that is a row of the stacks is read there (`mla_attention_sparse`'s layer)
+            stacked = cache is not None and cache.layer is not None
+            o = mla_attention_sparse(q_nope, q_pe, cache.ckv if stacked else keys_ckv,
+                                     cache.kpe if stacked else keys_kpe, w_uk, w_uv, sel_idx, sel_valid,
+                                     self.scale, impl=backends.kernels, segment_ids=segment_ids,
+                                     layer=cache.layer if stacked else None)
         else:
             if select:
                 mask = mask & selection_mask(sel_idx, sel_valid, s_len)

@@ -150,6 +150,7 @@ def mla_attention_sparse(
     impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H dv"]:
     """Absorbed attention over only the selected latent rows `idx` (DSA, attention.md §3).
 
@@ -159,7 +160,14 @@ def mla_attention_sparse(
     the kernel on a GPU.
     segment_ids / kv_segment_ids: packed rows (module docstring); selected slots of another
     document are dropped from `valid`, so the kernel path stays available.
+    layer: `c_kv` / `k_pe` are the caches of every MLA layer `[Lm, B, S, ·]` and this layer's
+    are row `layer` (`nn.MLALayerCache`; k_pe's rows may be padded past dr, `nn.kpe_width`). The XLA path gathers the selected rows from the
+    stacks in place: slicing the row out first copies all S of its latents, every layer, every
+    step (6 GB per decode step per TPU chip at 128k tokens, `k31jax compile`), to read K of them.
     """
+    if layer is not None and (segment_ids is not None or resolve_impl(impl, "sparse_mla") != "xla"):
+        c_kv, k_pe = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (c_kv, k_pe))
+        k_pe, layer = k_pe[..., :q_pe.shape[-1]], None
     if segment_ids is not None:
         kv = key_document_ids(segment_ids, kv_segment_ids, q_nope.shape[:2], c_kv.shape[1],
                            "mla_attention_sparse")
@@ -175,9 +183,13 @@ def mla_attention_sparse(
                                    functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid)
     f32 = jnp.float32
-    gather = jax.vmap(lambda rows, i: rows[i])
+    if layer is None:
+        gather = jax.vmap(lambda rows, i: rows[i])
+    else:
+        def gather(stack, i):
+            return stack[layer, jnp.arange(i.shape[0])[:, None, None], i]
     ckv_sel = gather(c_kv, idx).astype(f32)  # [B, T, K, r]
-    kpe_sel = gather(k_pe, idx).astype(f32)
+    kpe_sel = gather(k_pe, idx)[..., :q_pe.shape[-1]].astype(f32)
     q_lat = absorb_query(q_nope, w_uk)
     logits = (jnp.einsum("bthr,btkr->bhtk", q_lat, ckv_sel, precision=_HI)
               + jnp.einsum("bthd,btkd->bhtk", q_pe.astype(f32), kpe_sel, precision=_HI)) * scale

@@ -45,6 +45,51 @@ def test_a_data_dependent_loop_is_counted_as_told():
     assert thrice.flops == 3 * once.flops == 3 * 2 * 16 ** 3
 
 
+_RELAYOUT_THEN_SLICE = """HloModule m
+
+%relayout (p: bf16[4,64,128]) -> bf16[4,64,128] {
+  %p = bf16[4,64,128]{2,1,0:T(16,128)(2,1)} parameter(0)
+  ROOT %c = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} copy(%p)
+}
+
+%one_layer (q: bf16[4,64,128], i: s32[]) -> bf16[64,128] {
+  %q = bf16[4,64,128]{2,1,0:T(16,128)(2,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %f = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} fusion(%q), kind=kLoop, calls=%relayout
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} dynamic-slice(%f, %i, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = bf16[64,128]{1,0:T(8,128)(2,1)} bitcast(%ds)
+}
+
+%copied (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  ROOT %c = f32[1024]{0} copy(%a)
+}
+
+ENTRY %main (w: bf16[4,64,128], i: s32[], x: f32[1024]) -> (bf16[64,128], f32[1024]) {
+  %w = bf16[4,64,128]{2,1,0:T(16,128)(2,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[1024]{0} parameter(2)
+  %r = bf16[64,128]{1,0} fusion(%w, %i), kind=kLoop, calls=%one_layer
+  %s = ((), (), (u32[]{:S(8)})) call-start(), async_execution_thread="sparsecore", to_apply=%copied
+  %u = ((f32[1024]{0}), f32[1024]{0}) call-update(%s, %x)
+  %d = f32[1024]{0} call-done(%u)
+  ROOT %t = (bf16[64,128]{1,0}, f32[1024]{0}) tuple(%r, %d)
+}
+"""
+
+
+def test_a_fused_relayout_read_through_a_slice_and_an_async_copy_are_counted_once():
+    """A layer of a stack taken through a fused relayout reads the layer, not the stack (the
+    emitter makes only the windows the slice reads); an asynchronous call (a SparseCore copy:
+    call-start, call-update, call-done) reads its argument and writes its result once."""
+    report = analyse(_RELAYOUT_THEN_SLICE)
+    layer, vector = 64 * 128 * 2, 1024 * 4
+    assert report.hbm_bytes == 2 * layer + 4 + 2 * vector  # + the s32 layer index
+    assert [(b, s, o) for b, s, o, _ in report.largest[:2]] == [(layer, "bf16[64,128]", "fusion"),
+                                                                (vector, "f32[1024]", "call-update")]
+
+
 @pytest.mark.parametrize("name,want", [("v5p-128", "v5p:4x4x4"), ("v5e-16", "v5e:4x4"), ("tpu7x-64", "tpu7x:2x4x4"),
                                        ("v6e:2x4", "v6e:2x4")])
 def test_named_slices_become_topologies(name, want):

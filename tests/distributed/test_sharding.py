@@ -222,7 +222,8 @@ def test_planner_weight_bytes_match_the_spec_on_expert8_tensor8():
     # bf16 experts for comparison: 2 bytes per logical weight, same split
     assert plan.weights_other_format["experts"] == 2_722_740_830_208 * 2 // 64
     # caches: batch 8 over expert (one sequence per expert group), heads over tensor
-    assert plan.cache["mla_ckv"] + plan.cache["mla_kpe"] == 24 * 1 * (1 << 20) * 576 * 2
+    # (c_kv 512 + k_pe 64 padded to 128 lanes, `nn.kpe_width`)
+    assert plan.cache["mla_ckv"] + plan.cache["mla_kpe"] == 24 * 1 * (1 << 20) * (512 + 128) * 2
     assert plan.cache["index_keys"] == 24 * 1 * (1 << 20) * 128 * 2
     assert plan.cache["kda_state"] == 69 * 1 * 12 * 128 * 128 * 4
     assert plan.fits("b300") and plan.fits("h200") and not plan.fits("v6e")

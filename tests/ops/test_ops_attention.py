@@ -246,6 +246,15 @@ def test_sparse_gather_equals_masked_absorbed_ops():
         q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale=scale)
     want = _f64_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, mask, scale)
     assert rel_err(sparse, want) < 1e-5, rel_err(sparse, want)
+    # the same layer as row 2 of a 3-layer stack (the model's cache), gathered in place: the
+    # other rows are noise that a wrong row index would read
+    stacks = [np.stack([rng.standard_normal(a.shape).astype(a.dtype), rng.standard_normal(a.shape).astype(a.dtype),
+                        a]) for a in (c_kv, k_pe)]
+    stacked = jax.jit(_mla.mla_attention_sparse, static_argnames="scale")(
+        q_nope, q_pe, *stacks, w_uk, w_uv, idx, valid, scale=scale, layer=jnp.int32(2))
+    np.testing.assert_allclose(stacked, sparse, rtol=1e-6, atol=1e-6)
+    wrong = _mla.mla_attention_sparse(q_nope, q_pe, *stacks, w_uk, w_uv, idx, valid, scale=scale, layer=1)
+    assert rel_err(wrong, want) > 1e-2
 
 
 # ------------------------------------------------------------------ indexer
