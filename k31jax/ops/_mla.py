@@ -161,9 +161,10 @@ def mla_attention_sparse(
     segment_ids / kv_segment_ids: packed rows (module docstring); selected slots of another
     document are dropped from `valid`, so the kernel path stays available.
     layer: `c_kv` / `k_pe` are the caches of every MLA layer `[Lm, B, S, ·]` and this layer's
-    are row `layer` (`nn.MLALayerCache`; k_pe's rows may be padded past dr, `nn.kpe_width`). The XLA path gathers the selected rows from the
-    stacks in place: slicing the row out first copies all S of its latents, every layer, every
-    step (6 GB per decode step per TPU chip at 128k tokens, `k31jax compile`), to read K of them.
+    are row `layer` (`nn.MLALayerCache`; k_pe's rows may be padded past dr, `nn.kpe_width`).
+    The XLA path gathers the selected rows from the stacks in place: slicing the row out first
+    copies all S of its latents, every layer, every step (6 GB per decode step per TPU chip at
+    128k tokens, `k31jax compile`), to read K of them.
     """
     if layer is not None and (segment_ids is not None or resolve_impl(impl, "sparse_mla") != "xla"):
         c_kv, k_pe = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (c_kv, k_pe))

@@ -79,7 +79,9 @@ def test_prefill_and_cached_decode(model, golden):
     # the latent cache holds the post-norm c_kv and the raw k_pe (attention.md §1.4)
     slot = cfg.mla_layers.index(3)
     assert_rel(cache.mla_ckv[slot, :, :45], golden["cache/prefill/layer03/mla_ckv_norm"], what="c_kv")
-    assert_rel(cache.mla_kpe[slot, :, :45, :cfg.qk_rope_head_dim], golden["cache/prefill/layer03/mla_k_pe"], what="k_pe")
+    k_pe = cache.mla_kpe[slot, :, :45, :cfg.qk_rope_head_dim]  # rows padded to 128 lanes (`nn.kpe_width`)
+    assert_rel(k_pe, golden["cache/prefill/layer03/mla_k_pe"], what="k_pe")
+    assert not np.asarray(cache.mla_kpe[..., cfg.qk_rope_head_dim:]).any()
     # KDA state: the release stores it value-major [B, H, V, K]; ours is key-major
     kslot = cfg.kda_layers.index(0)
     assert_rel(np.swapaxes(np.asarray(cache.kda_state[kslot]), -1, -2),
