@@ -214,7 +214,6 @@ def _fused_read(comps, body_name: str, k: int, full: int) -> int:
     param = next((i for i in body if i.opcode == "parameter" and i.integer == k), None)
     if param is None:
         return full
-    total = 0
     read = _read_through(body, comps, param.name, param.shape[0].bytes if param.shape else full)
     return full if read is None else min(full, read)
 
@@ -234,7 +233,7 @@ def _read_through(body: list[Instruction], comps, name: str, size: int) -> int |
         elif user.opcode in ("fusion", "call-start", "call"):
             called = user.called("calls") or user.called("to_apply") or ""
             read = _fused_read(comps, called, user.operands.index(name), size)
-            if read >= size and _same_elements(user, size, body, name):
+            if read >= size and _same_elements(user, body, name):
                 # a relayout or convert of the whole value, fused into its users: the emitter
                 # makes only the windows they read (a dynamic-slice of a layer of a stack)
                 inner = _read_through(body, comps, user.name, user.shape[0].bytes)
@@ -250,7 +249,7 @@ def _read_through(body: list[Instruction], comps, name: str, size: int) -> int |
     return total
 
 
-def _same_elements(user: Instruction, size: int, body: list[Instruction], name: str) -> bool:
+def _same_elements(user: Instruction, body: list[Instruction], name: str) -> bool:
     """Whether nested fusion `user` makes one array of as many elements as value `name`."""
     src = next((i for i in body if i.name == name), None)
     return (user.opcode == "fusion" and len(user.shape) == 1 and src is not None and len(src.shape) == 1
