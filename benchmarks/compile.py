@@ -30,8 +30,11 @@ CASES = {
     "decode-1m-tpu7x-32": ("decode", "tpu7x:2x2x4", "expert=4,tensor=8", 8, 1 << 20, 1),
     "decode-1m-tpu7x-64": ("decode", "tpu7x:2x4x4", "expert=8,tensor=8", 8, 1 << 20, 1),
     "prefill-2k": ("prefill", "v5p:4x4x4", "expert=8,tensor=8", 1, 8192, 2048),
-    # QAT fine-tuning of the routed experts, AdamW, bf16 masters, 1 x 4,096-token rows
+    # QAT fine-tuning of the routed experts, AdamW, bf16 masters: one 4,096-token row (the
+    # compiler spreads its tokens over the 64 data-parallel devices), and 64 x 1,024-token rows
+    # (one row per data-parallel device)
     "train-qat": ("train", "v5p:8x8x8", "fsdp=8,expert=8,tensor=8", 1, 4096, 1),
+    "train-qat-64x1024": ("train", "v5p:8x8x8", "fsdp=8,expert=8,tensor=8", 64, 1024, 1),
 }
 
 
@@ -45,6 +48,7 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
     local = layer_experts_bf16(cfg, r.mesh.get("expert", 1), r.mesh.get("tensor", 1))
     coll = ", ".join(f"{k} {c:,} / {b / GB:.2f} GB" for k, (c, b) in h.collectives.items())
     top = "; ".join(f"{s} {b / GB:.2f} GB ({o})" for b, s, o, _ in h.largest[:3])
+    peak = "; ".join(f"{name[-60:]} {b / GB:.2f} GB" for b, name in r.peak[:5]) or "(no live-range dump)"
     return [
         f"[{name}] {r.step} of k31_pro (93 layers) on {r.topology} ({r.devices} x {r.device_kind}), mesh "
         f"{','.join(f'{k}={v}' for k, v in r.mesh.items() if v > 1)}, batch {r.batch}, context {r.context:,}",
@@ -53,7 +57,8 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"({m['temporaries'] / max(m['arguments'], 1):.1%} of arguments), aliased {m['aliased'] / GB:.3f} GB "
         f"(donated {p['donated'] / GB:.3f} GB: {'all aliased' if m['aliased'] >= p['donated'] else 'NOT ALL ALIASED'}),"
         f" total {r.total / GB:.2f} GB of {r.hbm_per_device / GB:.1f} GB: {'fits' if r.fits else 'does not fit'}",
-        f"  planner total {p['total'] / GB:.2f} GB: planner / compiler {p['total'] / max(r.total, 1):.3f}",
+        f"  planner total {p['total'] / GB:.2f} GB: planner / compiler (total less generated code "
+        f"{r.buffers / GB:.2f} GB) {r.planner_ratio:.3f}",
         f"  largest float buffer {h.largest_float[1]} {h.largest_float[0] / GB:.3f} GB; one layer's local experts "
         f"in bf16 {local / GB:.3f} GB",
         f"  HBM traffic per call (trip counts) {h.hbm_bytes / GB:.2f} GB; planner floor {r.floor_bytes / GB:.2f} GB "
@@ -61,6 +66,7 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"{r.xla_cost.get('bytes accessed', 0) / GB:.2f} GB",
         f"  {h.flops / 1e12:.3f} TFLOP per call; collectives: {coll or 'none'}",
         f"  largest buffers: {top}",
+        f"  at the compiler's memory peak: {peak}",
     ]
 
 

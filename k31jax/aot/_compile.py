@@ -11,11 +11,11 @@ sets the compiler's figures beside the planner's (`k31jax.distributed.plan_memor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from ..nn import expert_words
 from ..ops import Backends
 from ..sharding import activate, get_rules, logical_to_spec, parse_mesh, rules_for_mesh, rules_name, shard_factor
 from ..train import OptimConfig, abstract_train_step
-from ._hlo import HloReport, analyse
+from ._hlo import HloReport, analyse, peak_breakdown
 
 GB = 1e9
 STEPS = ("decode", "prefill", "train")
@@ -152,6 +152,7 @@ class CompileReport:
     xla_cost: dict                 # XLA's own totals (loop bodies counted once)
     floor_bytes: int               # the planner's per-call HBM floor (see `step_floor`)
     floor_note: str
+    peak: list                     # what the compiler holds at its memory peak: (bytes, source), largest first
     versions: dict
 
     @property
@@ -159,6 +160,17 @@ class CompileReport:
         """Per-device peak: arguments + outputs - aliased + temporaries + generated code."""
         m = self.memory
         return m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"] + m["generated_code"]
+
+    @property
+    def buffers(self) -> int:
+        """What the planner plans: the total less the program's generated code (a few MB, which
+        the planner does not model; it matters only at toy sizes)."""
+        return self.total - self.memory["generated_code"]
+
+    @property
+    def planner_ratio(self) -> float:
+        """The planner's total over the compiler's buffers."""
+        return self.planner["total"] / self.buffers if self.buffers else float("nan")
 
     @property
     def fits(self) -> bool:
@@ -169,9 +181,11 @@ class CompileReport:
                 "device_kind": self.device_kind, "mesh": self.mesh, "rules": self.rules, "batch": self.batch,
                 "context": self.context, "tokens": self.tokens, "lower_seconds": self.lower_seconds,
                 "compile_seconds": self.compile_seconds, "memory": self.memory, "total": self.total,
+                "buffers": self.buffers, "planner_ratio": self.planner_ratio,
                 "hbm_per_device": self.hbm_per_device, "fits": self.fits, "planner": self.planner,
                 "hlo": self.hlo.as_dict(), "xla_cost": self.xla_cost, "floor_bytes": self.floor_bytes,
-                "floor_note": self.floor_note, "versions": self.versions}
+                "floor_note": self.floor_note, "peak": [[b, name] for b, name in self.peak],
+                "versions": self.versions}
 
     def table(self) -> str:
         m, p = self.memory, self.planner
@@ -184,12 +198,11 @@ class CompileReport:
         rows = [("arguments (weights, cache, inputs)", m["arguments"], p["weights"] + p["cache"] + p["inputs"]),
                 ("outputs", m["outputs"], None), ("aliased (donated arguments)", m["aliased"], p["donated"]),
                 ("temporaries", m["temporaries"], p["activations"]), ("generated code", m["generated_code"], None),
-                ("total", self.total, p["total"])]
+                ("total", self.total, None), ("total less generated code", self.buffers, p["total"])]
         for label, a, b in rows:
             lines.append(f"{label:<34}{a / GB:>12.2f}{'' if b is None else f'{b / GB:>12.2f}'}")
-        ratio = p["total"] / self.total if self.total else float("nan")
         lines.append(f"HBM per device {self.hbm_per_device / GB:.1f} GB: {'fits' if self.fits else 'DOES NOT FIT'}; "
-                     f"planner / compiler total {ratio:.2f}")
+                     f"planner / compiler (less generated code) {self.planner_ratio:.2f}")
         h = self.hlo
         lines += ["", f"per call, with loop trip counts: HBM traffic {h.hbm_bytes / GB:.2f} GB, "
                   f"{h.flops / 1e12:.3f} TFLOP (XLA's own totals, loop bodies once: "
@@ -203,6 +216,9 @@ class CompileReport:
             f"{k} {c:,} ({b / GB:.3f} GB)" for k, (c, b) in h.collectives.items()) or "none"))
         lines.append(f"largest float buffer: {h.largest_float[1]} {h.largest_float[0] / GB:.3f} GB "
                      f"({h.largest_float[2] or 'no op_name'})")
+        if self.peak:
+            lines += ["", "held at the compiler's memory peak, by argument path or the op that made it:"]
+            lines += [f"  {b / GB:>8.3f} GB  {name[-90:]}" for b, name in self.peak]
         lines += ["", "largest buffers made by one instruction:"]
         for nbytes, shape, opcode, op_name in h.largest:
             lines.append(f"  {nbytes / GB:>8.3f} GB  {shape:<28} {opcode:<22} {op_name[-70:]}")
@@ -298,9 +314,9 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
         valid = jax.ShapeDtypeStruct((batch, chunk), jnp.bool_)
         args = (graphdef, backends, state, cache) + tuple(_replicated((tokens_in, valid), m))
         tokens = batch * chunk
-    lower_s, compile_s, memory, text, xla = _compile(jitted, args, m, rules, f"{step} of {name} on {topology}",
-                                                     dump and Path(dump) / f"{name}.{step}.hlo.txt",
-                                                     functools.partial(program.compile, platform="tpu"))
+    lower_s, compile_s, memory, text, xla, peak = _compile(
+        jitted, args, m, rules, f"{step} of {name} on {topology}", dump and Path(dump) / f"{name}.{step}.hlo.txt",
+        lambda lowered, options: program.compile(lowered, platform="tpu", options=options))
     expert_shards = _expert_shards(cfg, shape, rules)
     chosen = expected_local_experts(cfg, tokens, expert_shards) if cfg.moe_layers else 1
     hlo = analyse(text, {"selected_experts": chosen})
@@ -315,7 +331,7 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     kind = devices[0].device_kind
     return CompileReport(step, name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, context, tokens, lower_s, compile_s, memory, HBM_PER_DEVICE.get(kind, 0), planner,
-                         hlo, xla, floor, note, _versions())
+                         hlo, xla, floor, note, peak, _versions())
 
 
 def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lowered=None):
@@ -324,10 +340,16 @@ def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lo
     with activate(mesh, rules):
         lowered = jitted.lower(*args)
     t1 = time.perf_counter()
-    try:
-        compiled = compile_lowered(lowered) if compile_lowered else lowered.compile()
-    except Exception as exc:
-        raise CompileError(f"{what}: the TPU compiler failed: {str(exc).splitlines()[0][:400]}") from None
+    compile_lowered = compile_lowered or (lambda lowered, options: lowered.compile(compiler_options=options))
+    # the compiler's live-range dump names what it holds at its peak, also when it runs out of memory
+    with tempfile.TemporaryDirectory(prefix="k31jax-aot-") as where:
+        try:
+            compiled = compile_lowered(lowered, {"xla_dump_to": where, "xla_dump_hlo_pass_re": "^$"})
+        except Exception as exc:
+            peak = _peak(where)
+            held = "; at its peak: " + _peak_line(peak) if peak and "RESOURCE_EXHAUSTED" in str(exc) else ""
+            raise CompileError(f"{what}: the TPU compiler failed: {str(exc).splitlines()[0][:400]}{held}") from None
+        peak = _peak(where)
     t2 = time.perf_counter()
     ma = compiled.memory_analysis()
     memory = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
@@ -340,7 +362,21 @@ def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lo
     xla = compiled.cost_analysis() or {}
     xla = {k: float(v) for k, v in (xla[0] if isinstance(xla, list) else xla).items()
            if k in ("flops", "bytes accessed", "optimal_seconds")}
-    return t1 - t0, t2 - t1, memory, text, xla
+    return t1 - t0, t2 - t1, memory, text, xla, peak
+
+
+def _peak(dump_dir: str) -> list[tuple[int, str]]:
+    """`peak_breakdown` of the compiled module's live-range dump and optimized HLO in
+    `dump_dir` ([] if none)."""
+    found = sorted(Path(dump_dir).glob("*after_optimizations-live-range.txt"), key=lambda f: -f.stat().st_size)
+    if not found:
+        return []
+    hlo = found[0].with_name(found[0].name.replace("-live-range.txt", ".txt"))
+    return peak_breakdown(found[0].read_text(), hlo.read_text() if hlo.exists() else "")
+
+
+def _peak_line(peak: list[tuple[int, str]], n: int = 5) -> str:
+    return ", ".join(f"{name[-70:]} {b / GB:.2f} GB" for b, name in peak[:n])
 
 
 def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, batch, t: TrainSettings, dump):
@@ -348,8 +384,9 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     jitted, args = abstract_train_step(cfg, mesh, rules, optim=optim, qat=t.qat, master_dtype=t.master_dtype,
                                        remat=t.remat, lora_rank=t.lora_rank, micro_batch=batch,
                                        grad_accum=t.grad_accum, seq_len=t.seq_len, backends=backends)
-    lower_s, compile_s, memory, text, xla = _compile(jitted, args, mesh, rules, f"train step of {name} on {topology}",
-                                                     dump and Path(dump) / f"{name}.train.hlo.txt")
+    lower_s, compile_s, memory, text, xla, peak = _compile(jitted, args, mesh, rules,
+                                                           f"train step of {name} on {topology}",
+                                                           dump and Path(dump) / f"{name}.train.hlo.txt")
     hlo = analyse(text)
     donated = sum(_device_bytes(a) for a in jax.tree.leaves(args[3:6]))
     inputs = sum(_device_bytes(a) for a in jax.tree.leaves(args[6]))
@@ -368,7 +405,7 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     kind = devices[0].device_kind
     return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,
-                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, _versions())
+                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions())
 
 
 def _device_bytes(a: jax.ShapeDtypeStruct) -> int:

@@ -421,3 +421,39 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
     largest_float = (floats[0][0], floats[0][1], floats[0][3]) if floats else (0, "", "")
     return HloReport(hbm, flops, {k: (int(c), int(b)) for k, (c, b) in sorted(coll.items())},
                      [b[:4] for b in buffers[:top]], largest_float, loops, dynamic)
+
+
+_PEAK_HEAD = re.compile(r"Live ranges at \d+ \(peak\):")
+_LIVE = re.compile(r"^\s+(\S+?)\{([^}]*)\}: (\d+) bytes")
+
+
+def peak_breakdown(live_range: str, hlo_text: str, top: int = 8) -> list[tuple[int, str]]:
+    """What the compiler holds at its memory peak, largest first: `(bytes, source)`, from the
+    values its live-range dump lists as live at the peak (`*after_optimizations-live-range.txt`
+    under `xla_dump_to`), named by the `op_name` of the instruction that made them in the
+    optimized module `hlo_text` (a parameter's is its argument path, e.g. `state['moe']...`),
+    summed per source. A value updated in place (a dynamic-update-slice, or a fusion ending in
+    one) shares its operand's buffer: while both are live the dump lists both, and the buffer
+    is counted once, under the first of the chain. Empty if the dump has no peak section."""
+    lines = live_range.splitlines()
+    start = next((i for i, line in enumerate(lines) if _PEAK_HEAD.search(line)), None)
+    if start is None:
+        return []
+    live: dict[str, int] = defaultdict(int)
+    for line in lines[start + 1:]:
+        m = _LIVE.match(line)
+        if m is None:
+            break
+        live[m.group(1)] += int(m.group(3))
+    comps, _, _ = parse(hlo_text)
+    by_name = {ins.name: ins for instrs in comps.values() for ins in instrs}
+    held: dict[str, int] = defaultdict(int)
+    for name, nbytes in live.items():
+        ins = by_name.get(name)
+        if ins is None:
+            held[name] += nbytes
+            continue
+        if _updates_in_place(ins, comps) and any(live.get(o) == nbytes for o in ins.operands):
+            continue  # the same buffer as a live operand
+        held[ins.op_name.replace("\\'", "'") or name] += nbytes
+    return sorted(((b, name) for name, b in held.items() if b), key=lambda r: -r[0])[:top]

@@ -182,11 +182,13 @@ class Program:
     def jitted(self):
         return jax.jit(self.fn, static_argnames=self.static, donate_argnames=self.donate)
 
-    def compile(self, lowered, platform: str | None = None):
+    def compile(self, lowered, platform: str | None = None, options: dict | None = None):
         """`lowered` (this program's `jitted.lower(...)`) compiled as the engine compiles it:
-        with `TPU_COMPILER_OPTIONS` for a TPU (`platform`, default the default backend's)."""
+        with `TPU_COMPILER_OPTIONS` for a TPU (`platform`, default the default backend's), and
+        any other compiler `options` (e.g. dump flags)."""
         tpu = (platform or jax.default_backend()) == "tpu"
-        return lowered.compile(compiler_options=dict(TPU_COMPILER_OPTIONS) if tpu else None)
+        merged = {**(TPU_COMPILER_OPTIONS if tpu else {}), **(options or {})}
+        return lowered.compile(compiler_options=merged or None)
 
     @functools.cached_property
     def static_positions(self) -> frozenset[int]:

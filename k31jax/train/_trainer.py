@@ -530,7 +530,9 @@ def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: O
     shape = (grad_accum, micro_batch, seq_len)
     dtypes = dict(tokens=jnp.int32, targets=jnp.int32, loss_mask=jnp.float32, target_bytes=jnp.int32,
                   segment_ids=jnp.int32, positions=jnp.int32)
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=replicated) for k, dt in dtypes.items()}
+    # placed as `Trainer` places a batch: rows split over the batch axes where they divide
+    rows = NamedSharding(mesh, P(None, *logical_to_spec(("batch", "seq"), shape[1:], dict(mesh.shape), rules)))
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows) for k, dt in dtypes.items()}
     settings = StepSettings(backends=backends or Backends(), remat=remat, vocab_chunk=vocab_chunk,
                             lora_scale=lora_alpha / lora_rank if lora_rank else None)
     return _TRAIN_STEP, (graphdef, tx, settings, params, opt_state, trainable, batch)

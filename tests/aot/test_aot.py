@@ -90,6 +90,40 @@ def test_a_fused_relayout_read_through_a_slice_and_an_async_copy_are_counted_onc
                                                                 (vector, "f32[1024]", "call-update")]
 
 
+def test_the_peak_breakdown_names_what_is_live_and_counts_an_in_place_chain_once():
+    """The values XLA's live-range dump lists at the peak, named by the op_name of the
+    instruction that made them (a parameter's argument path), summed per source; a
+    dynamic-update-slice of a live buffer is that buffer, counted once."""
+    from k31jax.aot import peak_breakdown
+
+    live_range = """HloLiveRange (max 9):
+  Live ranges at 7 (peak):
+    param.1{}: 400 bytes (cumulative: 400 bytes)
+    dynamic-update-slice.2{}: 400 bytes (cumulative: 800 bytes)
+    fusion.3{}: 96 bytes (cumulative: 896 bytes)
+    fusion.4{}: 64 bytes (cumulative: 960 bytes)
+    copy.5{0}: 32 bytes (cumulative: 992 bytes)
+    copy.5{1}: 32 bytes (cumulative: 1024 bytes)
+  Stack trace breakdown for peak usage: 1 024 bytes
+"""
+    hlo = """HloModule m, is_scheduled=true
+
+ENTRY %main (param.1: f32[100], p.2: f32[8]) -> f32[100] {
+  %param.1 = f32[100]{0} parameter(0), metadata={op_name="cache[\\'mla_ckv\\']"}
+  %p.2 = f32[8]{0} parameter(1)
+  %c = s32[] constant(0)
+  %fusion.3 = f32[24]{0} fusion(%p.2), kind=kLoop, calls=%f, metadata={op_name="jit(step)/dot_general"}
+  %fusion.4 = f32[16]{0} fusion(%p.2), kind=kLoop, calls=%f, metadata={op_name="jit(step)/dot_general"}
+  %copy.5 = (f32[8]{0}, f32[8]{0}) copy(%p.2)
+  ROOT %dynamic-update-slice.2 = f32[100]{0} dynamic-update-slice(%param.1, %p.2, %c), metadata={op_name="jit(step)/dus"}
+}
+"""
+    assert peak_breakdown(live_range, hlo) == [(400, "cache['mla_ckv']"), (160, "jit(step)/dot_general"),
+                                               (64, "copy.5")]
+    assert peak_breakdown(live_range, hlo, top=1) == [(400, "cache['mla_ckv']")]
+    assert peak_breakdown("HloLiveRange (max 3):\n", hlo) == []
+
+
 @pytest.mark.parametrize("name,want", [("v5p-128", "v5p:4x4x4"), ("v5e-16", "v5e:4x4"), ("tpu7x-64", "tpu7x:2x4x4"),
                                        ("v6e:2x4", "v6e:2x4")])
 def test_named_slices_become_topologies(name, want):
@@ -128,6 +162,8 @@ def _check_report(report: dict, step: str):
     assert m["arguments"] >= p["weights"] + p["cache"] + p["inputs"]
     assert h["flops"] > 0 and h["hbm_bytes"] > 0 and h["collectives"]
     assert report["step"] == step
+    # what the compiler holds at its peak, from its own live-range dump
+    assert report["peak"] and 0 < sum(b for b, _ in report["peak"]) <= report["total"]
 
 
 @needs_libtpu
@@ -185,3 +221,43 @@ def test_k31jax_compile_train_step(tmp_path, capsys):
     assert m["arguments"] >= p["donated"] + p["inputs"]
     assert p["total"] > p["donated"]  # the planner's full plan: state plus activations
     assert report["hlo"]["flops"] > 0 and "train of tiny" in capsys.readouterr().out
+
+
+def _tile_filling_config():
+    """K3.1 Pro's structure (KDA, gated DSA MLA with the indexer, LatentMoE with MXFP4 experts,
+    AttnRes) at widths that fill TPU tiles (multiples of 128), 4 layers: big enough that
+    weights and cache dominate the compiler's buffers, small enough to compile in seconds.
+    (`tiny`'s 16- and 32-wide tensors are mostly tile padding on a TPU.)"""
+    from k31jax import ModelConfig
+
+    return ModelConfig.preset("k31_pro").replace(
+        num_hidden_layers=4, layer_types=("kda", "kda", "kda", "mla"), vocab_size=8192, hidden_size=512,
+        intermediate_size=1024, num_attention_heads=4, q_lora_rank=256, kv_lora_rank=256, kda_num_heads=4,
+        kda_a_log_len=4, index_n_heads=4, index_topk=128, num_experts=32, num_experts_per_token=4,
+        moe_intermediate_size=512, routed_expert_hidden_size=256, attn_res_block_size=2, expert_weights="mxfp4")
+
+
+@needs_libtpu
+def test_the_planner_is_within_ten_percent_of_the_compiler_at_decode():
+    """The planner's per-device total against the compiler's buffers (its total less the
+    generated code, which the planner does not model) for a decode step with the donated cache."""
+    report = aot.compile_program(_tile_filling_config(), "v5p:2x2x1", "expert=2,tensor=2", step="decode", batch=8,
+                                 context=1024)
+    _check_report(report.as_dict(), "decode")
+    assert report.memory["temporaries"] <= 0.5 * report.memory["arguments"]
+    assert 0.9 <= report.planner_ratio <= 1.1, report.table()
+
+
+@needs_libtpu
+def test_a_program_that_does_not_fit_says_what_the_compiler_held_at_its_peak():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k31jax.aot._compile import _compile
+
+    mesh = Mesh(aot.tpu_devices("v5e:2x2"), ("x",))
+    x = jax.ShapeDtypeStruct((150_000,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    squares = jax.jit(lambda x: jnp.sort(jnp.sort(jnp.outer(x, x), axis=1) * 2, axis=0))  # 90 GB temporaries
+    failed = r"outer: the TPU compiler failed: RESOURCE_EXHAUSTED.*; at its peak: .*90\.00 GB"
+    with pytest.raises(aot.CompileError, match=failed):
+        _compile(squares, (x,), mesh, None, "outer", None)
