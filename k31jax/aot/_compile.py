@@ -335,7 +335,8 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
 
 
 def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lowered=None):
-    """(lower s, compile s, the compiler's per-device memory, optimized HLO, XLA's cost totals)."""
+    """(lower s, compile s, the compiler's per-device memory, optimized HLO, XLA's cost totals,
+    what it holds at its memory peak)."""
     t0 = time.perf_counter()
     with activate(mesh, rules):
         lowered = jitted.lower(*args)
@@ -346,16 +347,16 @@ def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lo
         try:
             compiled = compile_lowered(lowered, {"xla_dump_to": where, "xla_dump_hlo_pass_re": "^$"})
         except Exception as exc:
-            peak = _peak(where)
-            held = "; at its peak: " + _peak_line(peak) if peak and "RESOURCE_EXHAUSTED" in str(exc) else ""
+            peak = _peak(where) if "RESOURCE_EXHAUSTED" in str(exc) else []
+            held = "; at its peak: " + _peak_line(peak) if peak else ""
             raise CompileError(f"{what}: the TPU compiler failed: {str(exc).splitlines()[0][:400]}{held}") from None
-        peak = _peak(where)
-    t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        text = compiled.as_text()
+        peak = _peak(where, text)
     ma = compiled.memory_analysis()
     memory = {"arguments": ma.argument_size_in_bytes, "outputs": ma.output_size_in_bytes,
               "aliased": ma.alias_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
               "generated_code": ma.generated_code_size_in_bytes}
-    text = compiled.as_text()
     if dump is not None:
         dump.parent.mkdir(parents=True, exist_ok=True)
         dump.write_text(text)
@@ -365,14 +366,17 @@ def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lo
     return t1 - t0, t2 - t1, memory, text, xla, peak
 
 
-def _peak(dump_dir: str) -> list[tuple[int, str]]:
-    """`peak_breakdown` of the compiled module's live-range dump and optimized HLO in
-    `dump_dir` ([] if none)."""
+def _peak(dump_dir: str, hlo_text: str | None = None) -> list[tuple[int, str]]:
+    """`peak_breakdown` of the module's live-range dump in `dump_dir` ([] if none), with its
+    optimized HLO `hlo_text` (the compiled program's), else the one dumped beside it (a
+    program the compiler gave up on)."""
     found = sorted(Path(dump_dir).glob("*after_optimizations-live-range.txt"), key=lambda f: -f.stat().st_size)
     if not found:
         return []
-    hlo = found[0].with_name(found[0].name.replace("-live-range.txt", ".txt"))
-    return peak_breakdown(found[0].read_text(), hlo.read_text() if hlo.exists() else "")
+    if hlo_text is None:
+        hlo = found[0].with_name(found[0].name.replace("-live-range.txt", ".txt"))
+        hlo_text = hlo.read_text() if hlo.exists() else ""
+    return peak_breakdown(found[0].read_text(), hlo_text)
 
 
 def _peak_line(peak: list[tuple[int, str]], n: int = 5) -> str:

@@ -424,7 +424,7 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
 
 
 _PEAK_HEAD = re.compile(r"Live ranges at \d+ \(peak\):")
-_LIVE = re.compile(r"^\s+(\S+?)\{([^}]*)\}: (\d+) bytes")
+_LIVE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes")  # a value: instruction{tuple index}
 
 
 def peak_breakdown(live_range: str, hlo_text: str, top: int = 8) -> list[tuple[int, str]]:
@@ -444,7 +444,7 @@ def peak_breakdown(live_range: str, hlo_text: str, top: int = 8) -> list[tuple[i
         m = _LIVE.match(line)
         if m is None:
             break
-        live[m.group(1)] += int(m.group(3))
+        live[m.group(1)] += int(m.group(2))
     comps, _, _ = parse(hlo_text)
     by_name = {ins.name: ins for instrs in comps.values() for ins in instrs}
     held: dict[str, int] = defaultdict(int)
