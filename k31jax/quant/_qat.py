@@ -39,8 +39,16 @@ def _fake_quant_fwd(w: jax.Array, fmt: str, rule: str, axis: int, block: int) ->
     ax = _check_blocked(w.shape, block, axis, "fake_quant")
     wb = _to_blocks(w, block, ax)
     sb = jax.lax.stop_gradient(block_scale_bytes(wb, f, rule))
-    q = scale_blocks(wb, sb, f).astype(f.dtype).astype(jnp.float32)  # RNE to the grid
-    return _from_blocks(apply_scale_blocks(q, sb), ax).astype(w.dtype)
+    # Each element's own scale byte, materialised as one byte per element in the weight's own
+    # shape (the barrier), and the elements as blocks of one: the scale factors are then made
+    # per element inside the fusion that writes the result. Derived per block and broadcast,
+    # they were f32 and s32 copies of the weight, and copies of those, wherever the consumer's
+    # layout keeps XLA from fusing a broadcast that splits the minor axis: a grouped matmul's
+    # weight and its gradient held eight weight-sized f32 buffers, now one u8 (tests/aot).
+    spread = _from_blocks(jnp.broadcast_to(sb[..., None], wb.shape), ax)
+    each = _to_blocks(jax.lax.optimization_barrier(spread), block, ax)
+    q = scale_blocks(wb[..., None], each, f).astype(f.dtype).astype(jnp.float32)  # RNE to the grid
+    return _from_blocks(apply_scale_blocks(q, each)[..., 0], ax).astype(w.dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))

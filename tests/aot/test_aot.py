@@ -261,3 +261,31 @@ def test_a_program_that_does_not_fit_says_what_the_compiler_held_at_its_peak():
     failed = r"outer: the TPU compiler failed: RESOURCE_EXHAUSTED.*; at its peak: .*90\.00 GB"
     with pytest.raises(aot.CompileError, match=failed):
         _compile(squares, (x,), mesh, None, "outer", None)
+
+
+@needs_libtpu
+def test_qat_fake_quant_under_a_grouped_matmul_holds_no_float_copies_of_the_weight():
+    """QAT's fake-quantised expert weight feeding `ragged_dot` (which wants the weight's blocked
+    axis minor), with both gradients, compiled for a TPU: its temporaries stay near two weights
+    (the fake-quantised one and its layout copy). Scale factors derived per block and
+    broadcast were eight f32 copies beside an s32 one: ten weights."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k31jax.quant import fake_quant
+
+    mesh = Mesh(aot.tpu_devices("v5p:2x2x1")[:1], ("x",))
+    one = NamedSharding(mesh, P())
+    w = jax.ShapeDtypeStruct((32, 512, 512), jnp.bfloat16, sharding=one)
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=one)
+    sizes = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=one)
+
+    rows_by_expert = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), [0], [0])  # x @ w[e].T
+
+    def loss(w, x, sizes):
+        y = jax.lax.ragged_dot_general(x, fake_quant(w), sizes, rows_by_expert, preferred_element_type=jnp.float32)
+        return jnp.sum(y * y)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x, sizes).compile()
+    weight = 32 * 512 * 512 * 2
+    assert compiled.memory_analysis().temp_size_in_bytes <= 3 * weight
