@@ -364,10 +364,8 @@ class Trainer:
         batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        shape = dict(self.mesh.shape)
         rows = batch["tokens"].shape[1] * jax.process_count()  # the global batch's rows
-        spec = P(None, *logical_to_spec(("batch", "seq"), (rows, batch["tokens"].shape[2]), shape))
-        where = NamedSharding(self.mesh, spec)
+        where = _batch_sharding(self.mesh, rows, batch["tokens"].shape[2])
         if jax.process_count() == 1:
             return {k: jax.device_put(v, where) for k, v in batch.items()}
         return {k: jax.make_array_from_process_local_data(where, v) for k, v in batch.items()}
@@ -494,6 +492,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, expo
         return trainer.run(progress=progress, export=export)
 
 
+def _batch_sharding(mesh, rows: int, seq_len: int, rules=None) -> NamedSharding:
+    """Where a `[grad_accum, rows, seq_len]` batch lives: rows split over the batch axes where
+    they divide (`rules`, default the active ones), the micro-batches and tokens whole."""
+    return NamedSharding(mesh, P(None, *logical_to_spec(("batch", "seq"), (rows, seq_len), dict(mesh.shape), rules)))
+
+
 def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: OptimConfig | None = None,
                         qat: bool = True, master_dtype: str = "float32", remat: str = "full", lora_rank: int = 0,
                         lora_alpha: float = 16.0, micro_batch: int = 1, grad_accum: int = 1, seq_len: int = 4096,
@@ -530,9 +534,8 @@ def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: O
     shape = (grad_accum, micro_batch, seq_len)
     dtypes = dict(tokens=jnp.int32, targets=jnp.int32, loss_mask=jnp.float32, target_bytes=jnp.int32,
                   segment_ids=jnp.int32, positions=jnp.int32)
-    # placed as `Trainer` places a batch: rows split over the batch axes where they divide
-    rows = NamedSharding(mesh, P(None, *logical_to_spec(("batch", "seq"), shape[1:], dict(mesh.shape), rules)))
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows) for k, dt in dtypes.items()}
+    where = _batch_sharding(mesh, micro_batch, seq_len, rules)  # as `Trainer` places a batch
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=where) for k, dt in dtypes.items()}
     settings = StepSettings(backends=backends or Backends(), remat=remat, vocab_chunk=vocab_chunk,
                             lora_scale=lora_alpha / lora_rank if lora_rank else None)
     return _TRAIN_STEP, (graphdef, tx, settings, params, opt_state, trainable, batch)

@@ -368,9 +368,9 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.master, keys.encode())
 
-    def _readable(self, timeout: float) -> bool:
+    def _wrote(self) -> bool:
         """Whether the process wrote (or closed the terminal) since the last read."""
-        return bool(select.select([self.master], [], [], timeout)[0])
+        return bool(select.select([self.master], [], [], 0)[0])
 
     def interrupt_until_exit(self, timeout: float) -> int:
         """Ctrl-C at the prompt, and again while nothing at all has happened 5 s later; the exit status.
@@ -387,7 +387,7 @@ class Terminal:
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     raise AssertionError(f"still running {timeout} s after Ctrl-C at the prompt:\n{self.text}")
-            if not self._readable(0):
+            if not self._wrote():
                 self.type("\x03")
 
     def close(self) -> None:
