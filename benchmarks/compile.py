@@ -49,6 +49,7 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
     coll = ", ".join(f"{k} {c:,} / {b / GB:.2f} GB" for k, (c, b) in h.collectives.items())
     top = "; ".join(f"{s} {b / GB:.2f} GB ({o})" for b, s, o, _ in h.largest[:3])
     peak = "; ".join(f"{name[-60:]} {b / GB:.2f} GB" for b, name in r.peak[:5]) or "(no live-range dump)"
+    moved = "; ".join(f"{name[-60:]} {b / GB:.1f} GB" for b, name in h.traffic[:4])
     return [
         f"[{name}] {r.step} of k31_pro (93 layers) on {r.topology} ({r.devices} x {r.device_kind}), mesh "
         f"{','.join(f'{k}={v}' for k, v in r.mesh.items() if v > 1)}, batch {r.batch}, context {r.context:,}",
@@ -67,6 +68,7 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"  {h.flops / 1e12:.3f} TFLOP per call; collectives: {coll or 'none'}",
         f"  largest buffers: {top}",
         f"  at the compiler's memory peak: {peak}",
+        f"  HBM traffic by source (op_name): {moved}",
     ]
 
 

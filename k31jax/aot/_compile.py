@@ -222,6 +222,9 @@ class CompileReport:
         lines += ["", "largest buffers made by one instruction:"]
         for nbytes, shape, opcode, op_name in h.largest:
             lines.append(f"  {nbytes / GB:>8.3f} GB  {shape:<28} {opcode:<22} {op_name[-70:]}")
+        if h.traffic:
+            lines += ["", "HBM traffic per call by the op that moves it (trip counts):"]
+            lines += [f"  {b / GB:>9.2f} GB  {name[-100:]}" for b, name in h.traffic]
         return "\n".join(lines)
 
 

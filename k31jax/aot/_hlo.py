@@ -15,7 +15,9 @@ loop's condition, `i < N`), and counts every instruction that is not inside a fu
 - collectives: all-gather, all-reduce, reduce-scatter, all-to-all, ragged-all-to-all and
   collective-permute (async starts counted once), with the bytes of their results;
 - buffers: the results instructions make, except in-place updates (a dynamic-update-slice
-  writes into its operand's buffer, e.g. the donated cache).
+  writes into its operand's buffer, e.g. the donated cache);
+- traffic by source: the bytes summed per `op_name` (the JAX operation an instruction came
+  from), the largest first: what dominates the traffic.
 
 A loop whose bound is not a constant (a data-dependent loop, e.g. the selected-experts loop)
 has no trip count: it is counted `dynamic_trips[name]` times when the caller says how many
@@ -335,12 +337,14 @@ class HloReport:
     largest_float: tuple[int, str, str]             # (bytes, shape, op_name) of the largest float buffer
     loops: list[tuple[str, int | None, int]]        # (op_name, trip count or None, times counted)
     dynamic_loops: list[str]
+    traffic: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (bytes per call, op_name)
 
     def as_dict(self) -> dict:
         return {"hbm_bytes": self.hbm_bytes, "flops": self.flops,
                 "collectives": {k: {"count": c, "bytes": b} for k, (c, b) in self.collectives.items()},
                 "largest_buffers": [{"bytes": b, "shape": s, "opcode": o, "op_name": n}
                                     for b, s, o, n in self.largest],
+                "traffic_by_source": [{"bytes": b, "op_name": n} for b, n in self.traffic],
                 "largest_float_buffer": {"bytes": self.largest_float[0], "shape": self.largest_float[1],
                                          "op_name": self.largest_float[2]},
                 "loops": [{"op_name": n, "trip_count": t, "counted": c} for n, t, c in self.loops],
@@ -391,6 +395,7 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
     visit(entry, 1)
     hbm = flops = 0
     coll: dict[str, list[float]] = defaultdict(lambda: [0, 0])
+    traffic: dict[str, int] = defaultdict(int)
     buffers = []
     for comp, times in mult.items():
         for ins in comps.get(comp, []):
@@ -406,11 +411,14 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
             kind = ins.opcode.removesuffix("-start")
             if kind in COLLECTIVES:
                 coll[kind][0] += times
-                out = ins.shape if not ins.opcode.endswith("-start") else ins.shape[len(ins.shape) // 2:]
+                # an async start's tuple repeats its operands first, then its results (and context)
+                out = ins.shape[len(ins.operands):] if ins.opcode.endswith("-start") else ins.shape
                 coll[kind][1] += times * sum(a.bytes for a in out[:1] or out)
             if ins.opcode in _FREE:
                 continue
-            hbm += int(times * _instruction_bytes(ins))
+            moved = int(times * _instruction_bytes(ins))
+            hbm += moved
+            traffic[ins.op_name or ins.opcode] += moved
             if _updates_in_place(ins, comps):
                 continue  # its result is its operand's buffer, not a new one
             for arr in _made(ins):
@@ -420,7 +428,8 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
     floats = [b for b in buffers if b[4] in FLOAT_TYPES]
     largest_float = (floats[0][0], floats[0][1], floats[0][3]) if floats else (0, "", "")
     return HloReport(hbm, flops, {k: (int(c), int(b)) for k, (c, b) in sorted(coll.items())},
-                     [b[:4] for b in buffers[:top]], largest_float, loops, dynamic)
+                     [b[:4] for b in buffers[:top]], largest_float, loops, dynamic,
+                     sorted(((b, name) for name, b in traffic.items()), reverse=True)[:top])
 
 
 _PEAK_HEAD = re.compile(r"Live ranges at \d+ \(peak\):")

@@ -20,7 +20,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..nn import CACHE_AXES, MLAMixer, abstract_model
-from ..ops import make_ep_plan
+from ..ops import exchange_rounds, make_ep_plan
 from ..quant import MXFP4Weight
 from ..sharding import (Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh,
                         rules_for_mesh, rules_name, shard_factor)
@@ -154,7 +154,8 @@ def _moe_bytes(cfg, batch, chunk, mesh_shape, rules, b, act, f32):
         p, tp = plan.ep_size, plan.tp_size
         n_loc = n / math.prod(mesh_shape[a] for a in plan.token_axes)
         e_loc = e // p
-    a = n_loc * k
+    # one exchange round's buffers at a time (`exchange_rounds`; decode and prefill chunks are one)
+    a = n_loc * k / (exchange_rounds(int(n_loc), k, p, ell) if plan is not None else 1)
     cap = p * a
     i_loc = i / tp
     m = cap * ell * act * 2 + cap * 4 * 3                       # received + sorted rows, ids

@@ -33,7 +33,8 @@ What `k31jax.train` holds per device during `train_step`, term by term:
       leaf's update buffer at a time) after it: the total takes the largest phase.
   Per device: the batch divides by the mesh axes the `batch` rule gives it, heads and
   intermediates by `tensor`, experts and their dispatch buffers by the expert-parallel plan
-  (`k31jax.ops.make_ep_plan`, worst-case receive capacity). The KDA and attention internals
+  (`k31jax.ops.make_ep_plan`, worst-case receive capacity, one exchange round at a time when
+  `k31jax.ops.exchange_rounds` splits a device's tokens). The KDA and attention internals
   are counted in fp32 (their XLA paths compute there), the rest in the master dtype, which is
   also the compute dtype of a training run. tests/distributed/test_plan_train.py checks the saved terms
   within 5% of `saved_residuals` of a small model (and of one expert-parallel MoE layer on
@@ -55,7 +56,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..nn import REMAT_POLICIES, MLAMixer
-from ..ops import kda_chunked, make_ep_plan
+from ..ops import exchange_rounds, kda_chunked, make_ep_plan
 from ..sharding import (Rules, abstract_mesh, get_rules, logical_to_spec, mesh_str, parse_mesh, rules_for_mesh,
                         rules_name)
 from ._plan import (_RULE_PREFERENCE, DEVICES, GB, _factor, _param_leaves, _shard_bytes,
@@ -217,8 +218,10 @@ def _dense(loc: _Local) -> tuple[float, float]:
     return loc.tokens * (i * (7 * _F32 + a) + cfg.hidden_size * a), loc.tokens * 2 * i * a
 
 
-def _moe(loc: _Local) -> tuple[float, float, float]:
-    """(all residuals, matmul outputs, the fake-quantised local experts) of one MoE layer."""
+def _moe(loc: _Local) -> tuple[float, float, float, float]:
+    """(all residuals, matmul outputs, the fake-quantised local experts, one exchange round's
+    residuals) of one MoE layer. In several exchange rounds (`exchange_rounds`) each round is
+    recomputed in the backward pass: its residuals are one round's, live during that pass only."""
     cfg, a, f = loc.cfg, loc.act, _F32
     e, i, ell, k, d = (cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim, cfg.num_experts_per_token,
                        cfg.hidden_size)
@@ -226,15 +229,20 @@ def _moe(loc: _Local) -> tuple[float, float, float]:
     up, down = sds((e, i, ell), jnp.dtype(cfg.dtype)), sds((e, ell, i), jnp.dtype(cfg.dtype))
     plan = make_ep_plan(loc.micro_batch * loc.seq_len, (up, up, down), exchange="dense",
                         mesh=abstract_mesh(loc.mesh_shape), rules=loc.rules)
+    rounds = 1
     if plan is None:  # one device's ragged path: every assignment, all experts
         rows = returned = loc.tokens * k
         e_loc, i_loc, received = e, i, 0
-    else:  # expert parallel: a worst-case receive buffer for every peer's assignments
-        returned = loc.micro_batch * loc.seq_len / math.prod(loc.mesh_shape[ax] for ax in plan.token_axes) * k
+    else:  # expert parallel: a worst-case receive buffer for every peer's assignments, per round
+        tokens = loc.micro_batch * loc.seq_len // math.prod(loc.mesh_shape[ax] for ax in plan.token_axes)
+        rounds = exchange_rounds(tokens, k, plan.ep_size, ell)
+        returned = tokens / rounds * k
         rows, e_loc, i_loc = plan.ep_size * returned, e // plan.ep_size, i / plan.tp_size
         received = ell * (a + 2 * f)  # the received rows and the fp32 outputs sent back
     glu = 7 * f + a  # the SiTU / SwiGLU fp32 island
     experts = rows * (ell * a + received + ell + i_loc * glu + 8) + returned * (ell * (3 * f + 1) + 8)
+    in_rounds = experts if rounds > 1 else 0.0
+    experts -= in_rounds
     si = cfg.shared_intermediate_size
     si_loc = loc.split("mlp", si) if si else 0
     n = loc.tokens
@@ -242,7 +250,7 @@ def _moe(loc: _Local) -> tuple[float, float, float]:
     outside = n * (router + ell * (f + 2 * a) + si_loc * glu + d * a)     # + latent sum / norm, shared GLU
     dots = n * (e * (f if a < f else a) + (ell + 2 * si_loc) * a)  # router, latent down, shared gate / up
     fake_quant = 3 * e_loc * i_loc * ell * a
-    return experts + outside, dots, fake_quant
+    return experts + outside, dots, fake_quant, in_rounds
 
 
 def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules) -> dict[str, float]:
@@ -270,8 +278,10 @@ def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rul
     a, n, d, layers = loc.act, loc.tokens, cfg.hidden_size, cfg.num_hidden_layers
     kinds = {"kda": _kda(loc) if cfg.kda_layers else (0, 0), "mla": _mla(loc) if cfg.mla_layers else (0, 0),
              "dense": _dense(loc) if cfg.dense_layers else (0, 0)}
-    moe_all, moe_dots, fake_quant = _moe(loc) if cfg.moe_layers else (0, 0, 0)
-    kinds["moe"] = (moe_all, moe_dots)
+    moe_all, moe_dots, fake_quant, moe_round = _moe(loc) if cfg.moe_layers else (0, 0, 0, 0)
+    # a round's residuals are transient: in the one layer being differentiated (remat "none")
+    # or with the layer's recomputed rest (otherwise)
+    kinds["moe"] = (moe_all + (moe_round if remat != "none" else 0), moe_dots)
     slots = cfg.num_attn_res_slots
     attn_res = 4 * (slots + 1) * n * d * _F32 if cfg.use_attn_res else 0  # two mixes: candidates, normalised
     per_layer = _layer_kinds(cfg)
@@ -289,7 +299,7 @@ def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rul
         slices = _layer_slice_bytes(cfg, mesh_shape, rules)
         out["saved_weight_slices"] = sum(slices[m] + slices[f] for m, f in per_layer)
         out["fake_quant"] = moe_count * fake_quant
-        out["layer_backward"] = 2 * carry  # the cotangents flowing into and out of the layer
+        out["layer_backward"] = 2 * carry + moe_round  # the cotangents into and out of the layer
     else:
         out["saved_carry"] = layers * carry
         out["saved_intermediates"] = sum(layer_dots) if remat == "dots" else 0.0

@@ -17,13 +17,13 @@ from ._kda import kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, short_
 from ._mla import absorb_query, mla_attention, mla_attention_absorbed, mla_attention_logits, mla_attention_sparse
 from ._moe import (MXFP4Weight, blocked_rows, combine, expert_window, grouped_matmul, grouped_matmul_blocked,
                    materialize, permute, routed_experts, visit_selected_experts)
-from ._moe_ep import EXCHANGES, EPPlan, ep_routed_experts, make_ep_plan, ragged_exchange
+from ._moe_ep import EXCHANGES, EPPlan, ep_routed_experts, exchange_rounds, make_ep_plan, ragged_exchange
 from ._norms import l2_normalize, layer_norm, rms_norm
 from ._router import route, router_scores
 
 __all__ = [
     "EXCHANGES", "EPPlan", "EpExchange", "IMPLS", "Impl", "ImplChoice", "MOE_FORMS", "MoeForm", "SparseForm",
-    "Backends", "ep_routed_experts", "make_ep_plan", "ragged_exchange", "resolve_impl",
+    "Backends", "ep_routed_experts", "exchange_rounds", "make_ep_plan", "ragged_exchange", "resolve_impl",
     "MXFP4Weight", "absorb_query", "attn_res_mix", "blocked_rows", "combine", "glu", "grouped_matmul",
     "grouped_matmul_blocked",
     "indexer_keys", "indexer_queries", "indexer_scores", "kda_chunked", "kda_gate",

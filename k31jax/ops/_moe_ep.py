@@ -13,7 +13,10 @@ Stages (per device, inside the shard_map), for tokens split over the expert-para
 
 The latent RMSNorm is applied by the caller on the result, i.e. after the cross-device
 reduction. Nothing is ever dropped: receive buffers hold the worst case (every row of every
-peer routed to one device).
+peer routed to one device). That worst case is `ep_size` times a device's own assignments, so
+for many tokens (a training micro-batch) stages 1-5 run in **rounds** over slices of the
+tokens (`exchange_rounds`), each rematerialised in the backward pass: the worst-case buffers,
+their sorted copies and their cotangents then exist for one round at a time.
 
 The exchange is one seam with three implementations of the same ragged all-to-all
 semantics (`jax.lax.ragged_all_to_all`): "ragged" (the primitive; GPU/TPU only, XLA:CPU has
@@ -40,6 +43,10 @@ from ._moe import RAGGED_DOT_DIMS, expert_window, materialize, one_expert, visit
 
 EXCHANGES = ("ragged", "dense", "allgather")
 _HI = jax.lax.Precision.HIGHEST
+# A round's worst-case fp32 receive buffer at most (`exchange_rounds`): at K3.1 Pro's widths a
+# 2,048-token prefill chunk on 8 expert groups is one round, a 64 x 1,024 training micro-batch
+# on 64 token shards four (each round's backward holds a few such buffers).
+ROUND_BYTES = 512 * 2**20
 
 
 def default_exchange() -> str:
@@ -234,7 +241,35 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
+def exchange_rounds(tokens: int, k: int, ep_size: int, width: int, max_bytes: int = ROUND_BYTES) -> int:
+    """How many rounds a device's `tokens` tokens (top-`k`, experts split `ep_size` ways, rows
+    `width` wide) are exchanged in: the fewest, dividing `tokens`, whose worst-case fp32 receive
+    buffer (`ep_size * tokens / rounds * k` rows) holds at most `max_bytes`."""
+    if ep_size == 1 or tokens <= 1:
+        return 1
+    need = -(-ep_size * tokens * k * width * 4 // max_bytes)
+    return next(r for r in range(min(max(1, need), tokens), tokens + 1) if tokens % r == 0)
+
+
+def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, rounds: int, **kw):
+    if rounds == 1:
+        return _round(x, idx, pw, w_gate, w_up, w_down, plan=plan, **kw)
+    # The local experts' float values are made once (a QAT fake-quantisation included) and
+    # closed over by every round; their gradient is the sum of the rounds' (accumulated in the
+    # weights' dtype: bf16 under bf16 masters, a rounding per round).
+    fq = kw.pop("weight_fake_quant")
+    floats = [_local_float(w, x.dtype, plan, down, fq) for w, down in ((w_gate, False), (w_up, False), (w_down, True))]
+    one = jax.checkpoint(functools.partial(_round, plan=plan, weight_fake_quant=False, **kw), prevent_cse=False)
+
+    def step(carry, tokens):
+        return carry, one(*tokens, *floats)
+
+    n = x.shape[0]
+    _, out = jax.lax.scan(step, None, [a.reshape((rounds, n // rounds) + a.shape[1:]) for a in (x, idx, pw)])
+    return out.reshape((n,) + out.shape[2:])
+
+
+def _round(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
     n, k = idx.shape
     a = n * k
     p = plan.ep_size
@@ -272,7 +307,7 @@ def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
 
 def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hidden_act: str = "situ",
                       beta_gate: float = 4.0, beta_up: float | None = 25.0, weight_fake_quant: bool = False,
-                      activation_fake_quant: bool = False, local: str = "auto"):
+                      activation_fake_quant: bool = False, local: str = "auto", round_bytes: int = ROUND_BYTES):
     """`Σ_k p_k · E_{e_k}(x)` (fp32 `[N, d]`) with the experts split as `plan` says.
 
     Same contract as `k31jax.ops.routed_experts`. The result is complete (reduced over the
@@ -281,6 +316,8 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     local: each device's grouped matmul (`_expert_rows`): "ragged", "selected", or "auto" —
     "selected" off CPU for packed experts and fewer assignments than experts (decode, short
     prefill: each device then reads only the experts its rows chose), "ragged" otherwise.
+    round_bytes: the ragged form exchanges a device's tokens in `exchange_rounds` rounds whose
+    worst-case fp32 receive buffer holds at most this.
     """
     n, k = idx.shape
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
@@ -295,7 +332,10 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
             "32-blocks would straddle devices; use a mesh whose tensor size divides "
             "moe_intermediate_size / 32")
     tok = P(_entry(plan.token_axes), None)
-    body = functools.partial(_body, plan=plan, local_form=local, window=expert_window(n, n * k * plan.ep_size),
+    n_dev = n // math.prod(dict(plan.mesh.shape)[a] for a in plan.token_axes)
+    rounds = exchange_rounds(n_dev, k, plan.ep_size, _shape(w_down)[1], round_bytes) if local == "ragged" else 1
+    body = functools.partial(_body, plan=plan, rounds=rounds, local_form=local,
+                             window=expert_window(n, n * k * plan.ep_size),
                              hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
                              weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down),

@@ -32,6 +32,9 @@ def test_loop_trip_counts_multiply_flops_and_bytes():
     assert report.flops > 5 * xla["flops"]  # XLA's own total counts the body once
     # every trip reads its weight slice: at least the whole stack once
     assert report.hbm_bytes >= trips * d * d * 4
+    # by source: taking and using the weight slice moves the most, and the sources sum to the total
+    assert re.search(r"dynamic_slice|dot_general", report.traffic[0][1]) and report.traffic[0][0] >= trips * d * d * 4
+    assert sum(b for b, _ in analyse(compiled.as_text(), top=100).traffic) == report.hbm_bytes
 
 
 def test_a_data_dependent_loop_is_counted_as_told():
@@ -77,6 +80,31 @@ ENTRY %main (w: bf16[4,64,128], i: s32[], x: f32[1024]) -> (bf16[64,128], f32[10
   ROOT %t = (bf16[64,128]{1,0}, f32[1024]{0}) tuple(%r, %d)
 }
 """
+
+
+_ASYNC_COLLECTIVES = """HloModule m
+
+ENTRY %main (x: bf16[64,256], o: bf16[512,256], n: s32[8]) -> (bf16[512,256], bf16[64,256], bf16[256,256]) {
+  %x = bf16[64,256]{1,0} parameter(0)
+  %o = bf16[512,256]{1,0} parameter(1)
+  %n = s32[8]{0} parameter(2)
+  %r = ((bf16[64,256]{1,0}, bf16[512,256]{1,0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}), bf16[512,256]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) ragged-all-to-all-start(%x, %o, %n, %n, %n, %n), replica_groups={{0,1,2,3,4,5,6,7}}
+  %rd = bf16[512,256]{1,0} ragged-all-to-all-done(%r)
+  %p = (bf16[64,256]{1,0}, bf16[64,256]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %pd = bf16[64,256]{1,0} collective-permute-done(%p)
+  %g = ((bf16[64,256]{1,0}), bf16[256,256]{1,0}) all-gather-start(%x), dimensions={0}, replica_groups={{0,1,2,3}}
+  %gd = bf16[256,256]{1,0} all-gather-done(%g)
+  ROOT %t = (bf16[512,256]{1,0}, bf16[64,256]{1,0}, bf16[256,256]{1,0}) tuple(%rd, %pd, %gd)
+}
+"""
+
+
+def test_an_async_collective_counts_its_result_not_its_operands_or_context():
+    coll = analyse(_ASYNC_COLLECTIVES).collectives
+    row = 256 * 2
+    assert coll["ragged-all-to-all"] == (1, 512 * row)
+    assert coll["collective-permute"] == (1, 64 * row)
+    assert coll["all-gather"] == (1, 256 * row)
 
 
 def test_a_fused_relayout_read_through_a_slice_and_an_async_copy_are_counted_once():
@@ -289,3 +317,38 @@ def test_qat_fake_quant_under_a_grouped_matmul_holds_no_float_copies_of_the_weig
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x, sizes).compile()
     weight = 32 * 512 * 512 * 2
     assert compiled.memory_analysis().temp_size_in_bytes <= 3 * weight
+
+
+@needs_libtpu
+def test_the_exchange_in_rounds_bounds_an_expert_parallel_training_layers_temporaries():
+    """The expert-parallel routed experts with the gradients of their input and weights,
+    compiled for a TPU slice (expert=4, 1,024 tokens a device, top-8): exchanged in one round
+    the worst-case receive buffer (every peer sends all its assignments here) and its
+    cotangents fill the temporaries; in eight rounds they exist one round at a time."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k31jax import ops, sharding
+
+    mesh = Mesh(aot.tpu_devices("v5p:2x2x1"), ("expert",))
+    n, k, e, i, ell = 4096, 8, 64, 256, 512
+    sds = jax.ShapeDtypeStruct
+    tok, ex = NamedSharding(mesh, P("expert")), NamedSharding(mesh, P("expert", None, None))
+    args = (sds((n, ell), jnp.bfloat16, sharding=tok), sds((n, k), jnp.int32, sharding=tok),
+            sds((n, k), jnp.float32, sharding=tok),
+            tuple(sds(s, jnp.bfloat16, sharding=ex) for s in ((e, i, ell), (e, i, ell), (e, ell, i))))
+    worst = 4 * (n // 4) * k * ell * 4  # one round's fp32 receive buffer, in one round
+    temps = {}
+    with sharding.activate(mesh, "ep_tp"):
+        plan = ops.make_ep_plan(n, args[3], exchange="ragged")
+        for rounds, budget in ((1, worst), (8, worst // 8)):
+            assert ops.exchange_rounds(n // 4, k, 4, ell, budget) == rounds
+
+            def loss(x, idx, pw, w, budget=budget):
+                y = ops.ep_routed_experts(x, idx, pw, *w, plan=plan, local="ragged", round_bytes=budget)
+                return jnp.sum(y * y)
+
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 3))).lower(*args).compile()
+            temps[rounds] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps[1] > 3 * worst            # the one round's buffers and cotangents
+    assert temps[8] < temps[1] / 3, temps

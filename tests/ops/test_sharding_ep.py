@@ -2,6 +2,8 @@
 bytes, agree exactly end to end, equal the single-device experts, and never drop a token."""
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +136,56 @@ def test_ragged_all_to_all_equals_the_cpu_exchanges():
     a, _ = _run_ep(spec, x, idx, pw, weights, "ragged")
     b, _ = _run_ep(spec, x, idx, pw, weights, "dense")
     np.testing.assert_array_equal(a, b)
+
+
+def test_exchange_rounds_divide_the_tokens_and_bound_the_receive_buffer():
+    assert ops.exchange_rounds(1024, 16, 8, 3584) == 4           # a 64 x 1,024 micro-batch on 64 shards
+    assert ops.exchange_rounds(256, 16, 8, 3584) == 1            # a 2,048-token prefill chunk on 8
+    assert ops.exchange_rounds(1024, 16, 1, 3584) == 1           # no expert parallelism: no worst case
+    for tokens in (1, 7, 12, 45, 1000):
+        for budget in (1, 4 * 32 * 4, 10_000, 2**40):
+            r = ops.exchange_rounds(tokens, 3, 4, 32, budget)
+            assert tokens % r == 0
+            fits = 4 * (tokens // r) * 3 * 32 * 4 <= budget
+            assert fits or r == tokens                            # bounded, or one token a round
+            assert r == 1 or not any(4 * (tokens // s) * 3 * 32 * 4 <= budget
+                                     for s in range(1, r) if tokens % s == 0)  # and the fewest
+
+
+@pytest.mark.parametrize("mesh_spec,adversarial,fake_quant", [
+    ("expert=4,tensor=2", False, True), ("expert=4,tensor=2", True, False), ("data=2,expert=4", False, False)],
+    ids=["qat", "all-to-one-expert", "data-parallel"])
+def test_exchange_in_rounds_equals_one_round_values_and_gradients(mesh_spec, adversarial, fake_quant):
+    """Splitting a device's 15 tokens into 3 or 5 rounds: the same outputs and input
+    gradients exactly, the expert gradients up to the order of their fp32 sums."""
+    n, k, e, i, ell = 60, 3, 16, 64, 32
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((n, ell)), jnp.float32)
+    idx, pw = _routing(n, k, e, 8, adversarial)
+    weights = _experts(e, i, ell, 9, False)
+    mesh = sharding.make_mesh(mesh_spec)
+    results = {}
+    with sharding.activate(mesh):
+        plan = ops.make_ep_plan(n, weights, exchange="dense")
+        tokens = n // math.prod(dict(mesh.shape)[a] for a in plan.token_axes)
+        row = plan.ep_size * k * ell * 4                          # one token's worst-case receive bytes
+        for budget in (2**40, row * tokens // 3, row * tokens // 5):
+            rounds = ops.exchange_rounds(tokens, k, plan.ep_size, ell, budget)
+
+            def loss(x, w, budget=budget):
+                y = ops.ep_routed_experts(x, idx, pw, *w, plan=plan, local="ragged", round_bytes=budget,
+                                          weight_fake_quant=fake_quant)
+                return jnp.sum(y * jnp.cos(y)), y
+
+            step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+            scans = re.findall(r"length=(\d+)", str(jax.make_jaxpr(step)(x, weights)))
+            assert (str(rounds) in scans) == (rounds > 1)           # the rounds really are a loop
+            (_, y), grads = step(x, weights)
+            results[rounds] = (y, grads)
+    assert sorted(results) == [1, 3, 5]
+    y1, (gx1, gw1) = results[1]
+    for r in (3, 5):
+        y, (gx, gw) = results[r]
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
+        np.testing.assert_array_equal(np.asarray(gx), np.asarray(gx1))
+        for a, b in zip(gw, gw1):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
