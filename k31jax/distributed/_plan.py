@@ -152,7 +152,7 @@ def _moe_bytes(cfg, batch, chunk, mesh_shape, rules, b, act, f32):
         p, tp, n_loc, e_loc = 1, 1, b * chunk, e
     else:
         p, tp = plan.ep_size, plan.tp_size
-        n_loc = n / math.prod(mesh_shape[a] for a in plan.token_axes)
+        n_loc = n / plan.token_shards
         e_loc = e // p
     # one exchange round's buffers at a time (`exchange_rounds`; decode and prefill chunks are one)
     a = n_loc * k / (exchange_rounds(int(n_loc), k, p, ell) if plan is not None else 1)

@@ -234,15 +234,14 @@ def _moe(loc: _Local) -> tuple[float, float, float, float]:
         rows = returned = loc.tokens * k
         e_loc, i_loc, received = e, i, 0
     else:  # expert parallel: a worst-case receive buffer for every peer's assignments, per round
-        tokens = loc.micro_batch * loc.seq_len // math.prod(loc.mesh_shape[ax] for ax in plan.token_axes)
+        tokens = loc.micro_batch * loc.seq_len // plan.token_shards
         rounds = exchange_rounds(tokens, k, plan.ep_size, ell)
         returned = tokens / rounds * k
         rows, e_loc, i_loc = plan.ep_size * returned, e // plan.ep_size, i / plan.tp_size
         received = ell * (a + 2 * f)  # the received rows and the fp32 outputs sent back
     glu = 7 * f + a  # the SiTU / SwiGLU fp32 island
     experts = rows * (ell * a + received + ell + i_loc * glu + 8) + returned * (ell * (3 * f + 1) + 8)
-    in_rounds = experts if rounds > 1 else 0.0
-    experts -= in_rounds
+    experts, in_rounds = (0.0, experts) if rounds > 1 else (experts, 0.0)
     si = cfg.shared_intermediate_size
     si_loc = loc.split("mlp", si) if si else 0
     n = loc.tokens

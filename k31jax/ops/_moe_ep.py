@@ -114,6 +114,11 @@ class EPPlan:
     exchange: str
     scale_split: bool             # packed w_down scales split with the intermediate
 
+    @property
+    def token_shards(self) -> int:
+        """How many ways the tokens are split inside the shard_map (over `token_axes`)."""
+        return math.prod(dict(self.mesh.shape)[a] for a in self.token_axes)
+
     def weight_specs(self, w_gate, w_up, w_down):
         ep, tp = _entry(self.ep_axes), _entry(self.tp_axes)
         out = []
@@ -332,8 +337,8 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
             "32-blocks would straddle devices; use a mesh whose tensor size divides "
             "moe_intermediate_size / 32")
     tok = P(_entry(plan.token_axes), None)
-    n_dev = n // math.prod(dict(plan.mesh.shape)[a] for a in plan.token_axes)
-    rounds = exchange_rounds(n_dev, k, plan.ep_size, _shape(w_down)[1], round_bytes) if local == "ragged" else 1
+    rounds = 1 if local != "ragged" else exchange_rounds(n // plan.token_shards, k, plan.ep_size, _shape(w_down)[1],
+                                                         round_bytes)
     body = functools.partial(_body, plan=plan, rounds=rounds, local_form=local,
                              window=expert_window(n, n * k * plan.ep_size),
                              hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
