@@ -9,6 +9,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..ops import Backends, kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, l2_normalize, short_conv
+from ..sharding import constrain
 from ._cache import KDALayerCache
 from ._param import constant, dt_bias_init, normal, param, uniform
 
@@ -96,6 +97,12 @@ class KDAMixer(nnx.Module):
         if t == 1 and state is not None:
             o, state = kda_recurrent(q, k, v, g, beta, state, impl=kernels)
         else:
+            # Tokens whole, heads split: the chunk loop reads its chunks in order, so a token split
+            # (propagated from the expert-parallel MoE, which splits a row's tokens over `expert`)
+            # made the partitioner all-gather every chunked input in every chunk step (K3.1 Pro
+            # prefill: 111 GB per 2,048-token chunk); one gather per layer here.
+            q, k, v, g = (constrain(a, "batch", "seq", "act_heads", None) for a in (q, k, v, g))
+            beta = constrain(beta, "batch", "seq", "act_heads")
             o, state = kda_chunked(q, k, v, g, beta, state, self.chunk_size, impl=kernels,
                                    lower_bound=self.lower_bound, segment_ids=segment_ids)
         gate_in = x @ self.g_proj[...] if self.full_rank_gate else (x @ self.g_a_proj[...]) @ self.g_b_proj[...]

@@ -29,7 +29,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from ..config import ModelConfig
-from ..quant import words_view
+from ..quant import SCALE_ROW, scale_tiles, tile_scales, words_view
 
 LAYER_STACKS = ("norms", "kda", "mla", "dense", "moe")
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
@@ -322,11 +322,13 @@ def unstack_layers(state: nnx.State) -> nnx.State:
 
 
 def expert_words(state: nnx.State) -> nnx.State:
-    """The model state with the packed routed experts' codes held as uint32 words `[..., n/4]`
-    (the same bytes, `MXFP4Weight`): the accelerator inference layout. XLA:TPU retiles a uint8
-    stack that a loop reads, one copy of every layer's experts per call; words it reads in
-    place. Leaves may be arrays or ShapeDtypeStructs (ahead-of-time compilation); shardings
-    are kept (the words split where the bytes did, when the split divides them)."""
+    """The model state in the accelerator inference layout of the packed routed experts (the
+    same bytes, `MXFP4Weight`): codes as uint32 words `[..., n/4]`, and scales whose blocks a
+    device holds are not a multiple of 128 wide as tiled uint16 rows (`quant.tile_scales`).
+    XLA:TPU retiles a uint8 stack that a loop reads, one copy of every layer's experts (or
+    scales) per call; these it reads in place. Leaves may be arrays or ShapeDtypeStructs
+    (ahead-of-time compilation); shardings are kept (the words split where the bytes did, when
+    the split divides them; a tiled scale's parts split where its blocks did)."""
     def words(a):
         if isinstance(a, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] // 4,), jnp.uint32, sharding=a.sharding)
@@ -341,5 +343,29 @@ def expert_words(state: nnx.State) -> nnx.State:
         if isinstance(w, nnx.State) and "packed" in w and w["packed"].get_value().dtype == jnp.uint8:
             w = nnx.State(dict(w))
             w["packed"] = w["packed"].replace(words(w["packed"].get_value()))
+            tiled = _tiled_scale(w["scale"].get_value())
+            if tiled is not None:
+                w["scale"] = w["scale"].replace(tiled)
             moe[name] = w
     return nnx.State({**state, "moe": nnx.State(moe)})
+
+
+def _tiled_scale(a):
+    """`quant.tile_scales` of a scale stack `[..., out, blocks]` (array or ShapeDtypeStruct),
+    split into the parts its sharding holds, or None where the layout does not apply: the
+    `out` axis split, or blocks per device a multiple of 128 or too few to fill whole tiles."""
+    sharding = getattr(a, "sharding", None)
+    named = isinstance(sharding, jax.sharding.NamedSharding)
+    local = sharding.shard_shape(a.shape) if named else a.shape
+    out, blocks = a.shape[-2:]
+    if local[-2] != out or not scale_tiles(out, blocks, blocks // local[-1]):
+        return None
+    splits = blocks // local[-1]
+    shape = a.shape[:-2] + (splits, out * blocks // splits // (2 * SCALE_ROW), SCALE_ROW)
+    where = None
+    if named:
+        spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+        where = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], None, None))
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, jnp.uint16, sharding=where)
+    return jax.jit(functools.partial(tile_scales, splits=splits), out_shardings=where)(a)

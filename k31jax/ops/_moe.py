@@ -29,7 +29,7 @@ def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
     a float weight is quantise-dequantised to MXFP4 along `in` (QAT, straight-through grad)."""
     if isinstance(w, MXFP4Weight):
         w = w.layer()
-        return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
+        return mxfp4_dequantize_packed(w.packed, w.scales(), dtype=dtype)
     if fake_quant:
         return fake_quant_weight(w, "e2m1", "floor").astype(dtype)
     return w.astype(dtype)

@@ -126,6 +126,8 @@ class EPPlan:
             spec = P(ep, None, tp) if down else P(ep, tp, None)
             if isinstance(w, MXFP4Weight):
                 scale = spec if (not down or self.scale_split) else P(ep, None, None)
+                if w.scale.dtype == jnp.uint16:  # tiled `[E, splits, rows, 128]`: the splits are the blocks'
+                    scale = P(ep, scale[2], None, None)
                 if w.row is not None:  # a row of a layer stack: the stack's layer axis stays whole
                     out.append(MXFP4Weight(P(None, *spec), P(None, *scale), P()))
                 else:
@@ -172,7 +174,7 @@ def make_ep_plan(n_tokens: int, weights, *, exchange: str = "auto", mesh=None, r
             prod *= shape[ax]
     scale_split = True
     if isinstance(w_down, MXFP4Weight):
-        scale_split = w_down.scale.shape[-1] % tp == 0
+        scale_split = (w_down.shape[-1] // 16) % tp == 0  # the scale blocks (32 codes, 16 bytes) split too
     return EPPlan(mesh, e, ep_axes, tp_axes, tuple(token_axes), math.prod(shape[a] for a in ep_axes), tp,
                   exchange, scale_split)
 
@@ -184,13 +186,13 @@ def _local_float(w, dtype, plan: EPPlan, down: bool, fake_quant: bool):
         return materialize(w, dtype, fake_quant)
     w = w.layer()
     if not down or plan.scale_split:
-        return mxfp4_dequantize_packed(w.packed, w.scale, dtype=dtype)
+        return mxfp4_dequantize_packed(w.packed, w.scales(), dtype=dtype)
     # The intermediate is split finer than the 32-blocks: each byte (2 codes) takes the scale
     # of the block its global column falls in.
     half = w.shape[-1]
     r = jax.lax.axis_index(_axis(plan.tp_axes))
     cols = r * (2 * half) + 2 * jnp.arange(half)
-    return mxfp4_dequantize_packed(w.packed, jnp.take(w.scale, cols // 32, axis=-1), dtype=dtype, block=2)
+    return mxfp4_dequantize_packed(w.packed, jnp.take(w.scales(), cols // 32, axis=-1), dtype=dtype, block=2)
 
 
 def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_form, window, hidden_act,

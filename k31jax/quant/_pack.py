@@ -39,6 +39,12 @@ class MXFP4Weight(NamedTuple):
     - `packed` may be uint32 `[E, out, in/8]`, four code bytes per word (little-endian, so the
       same byte order). XLA:TPU retiles uint8 arrays that a loop reads (a copy of the whole
       stack in every call); 32-bit words keep their layout (`words_view`).
+    - `scale` may be uint16 `[E, splits, rows, 128]` (`tile_scales`): each device's scale bytes
+      `[out, in/32 / splits]` as whole 256-byte rows. XLA:TPU lays out a uint8 stack whose
+      last axis is a dozen blocks wide (a split `w_down`) with that axis outside the experts,
+      and re-tiles the whole stack for a loop that slices one expert (a copy of every layer's
+      scales per call); rows of 128 uint16, a multiple of 8 of them, it reads in place.
+      `scales()` gives the `[E, out, in/32]` bytes back.
     - `row` set: `packed` / `scale` are a whole layer stack `[L, E, ...]` and this weight is
       its row `row`. Code that reads one expert (`one_expert` in `k31jax.ops`) slices
       `[row, e]` straight from the stack; everything else takes `layer()`. A row of a stack
@@ -56,9 +62,14 @@ class MXFP4Weight(NamedTuple):
         return MXFP4Weight(self.packed[self.row], self.scale[self.row])
 
     def as_bytes(self) -> MXFP4Weight:
-        """This layer with uint8 codes `[E, out, in/2]`, for code that reads bytes (kernels)."""
+        """This layer with uint8 codes `[E, out, in/2]` and scale bytes `[E, out, in/32]`, for
+        code that reads bytes (kernels)."""
         w = self.layer()
-        return MXFP4Weight(code_bytes(w.packed), w.scale)
+        return MXFP4Weight(code_bytes(w.packed), w.scales())
+
+    def scales(self) -> jax.Array:
+        """The E8M0 scale bytes `[..., out, in/32]`, from either scale layout."""
+        return scale_bytes(self.scale, self.packed.shape[-2])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,6 +83,39 @@ def code_bytes(packed: jax.Array) -> jax.Array:
     if packed.dtype != jnp.uint32:
         return packed
     return jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(*packed.shape[:-1], 4 * packed.shape[-1])
+
+
+SCALE_ROW = 128  # uint16 per row of the tiled scale layout: one 128-lane tile row
+
+
+def scale_tiles(out: int, blocks: int, splits: int) -> bool:
+    """Whether scale bytes `[out, blocks]` split `splits` ways along `blocks` take the tiled
+    layout: each part's bytes fill rows of 256 bytes, a multiple of 8 rows (one (8, 128) tile
+    high), and the part's blocks are not already a multiple of 128 wide."""
+    if blocks % splits:
+        return False
+    part = blocks // splits
+    return part % 128 != 0 and (out * part) % (2 * SCALE_ROW * 8) == 0
+
+
+def tile_scales(scale: jax.Array, splits: int = 1) -> jax.Array:
+    """E8M0 scale bytes `[..., out, blocks]` as uint16 `[..., splits, rows, 128]`: the `splits`
+    equal parts of the blocks (as devices hold them), each part's bytes `[out, blocks/splits]`
+    in order, two per uint16 (little-endian: the same bytes). See `scale_tiles`."""
+    *lead, out, blocks = scale.shape
+    part = blocks // splits
+    parts = jnp.moveaxis(jnp.asarray(scale).reshape(*lead, out, splits, part), -2, -3)
+    return jax.lax.bitcast_convert_type(parts.reshape(*lead, splits, out * part // (2 * SCALE_ROW), SCALE_ROW, 2),
+                                        jnp.uint16)
+
+
+def scale_bytes(scale: jax.Array, out: int) -> jax.Array:
+    """Scale bytes `[..., out, blocks]` of scales held as bytes or tiled (`tile_scales`)."""
+    if scale.dtype != jnp.uint16:
+        return scale
+    *lead, splits, rows, row = scale.shape
+    parts = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*lead, splits, out, rows * row * 2 // out)
+    return jnp.moveaxis(parts, -3, -2).reshape(*lead, out, -1)
 
 
 def words_view(packed: jax.Array) -> jax.Array:

@@ -320,6 +320,31 @@ def test_qat_fake_quant_under_a_grouped_matmul_holds_no_float_copies_of_the_weig
 
 
 @needs_libtpu
+def test_decode_reads_a_split_w_down_scale_stack_in_place(tmp_path):
+    """A `w_down` whose intermediate is split over `tensor` leaves each device 12 scale blocks a
+    row (as K3.1 Pro's on tensor=8). XLA:TPU lays such a uint8 stack out with the 12 outside the
+    experts and re-tiled the whole stack in every decode call for the loop that reads one
+    expert at a time; the tiled scale layout (`quant.tile_scales`) it reads in place."""
+    from k31jax.distributed import abstract_state
+    from k31jax.nn import expert_words
+    from k31jax.sharding import rules_for_mesh
+
+    # w_down [32, 512, 768]: 24 scale blocks a row, 12 a device
+    cfg = _tile_filling_config().replace(moe_intermediate_size=768, routed_expert_hidden_size=512)
+    report = aot.compile_program(cfg, "v5e:2x2", "expert=2,tensor=2", step="decode", batch=2, context=256,
+                                 dump=tmp_path)
+    _check_report(report.as_dict(), "decode")
+    mesh = aot.slice_mesh(aot.tpu_devices("v5e:2x2"), "expert=2,tensor=2")
+    _, state = abstract_state(cfg, mesh, rules_for_mesh(dict(mesh.shape)))
+    scale = expert_words(state)["moe"]["w_down"]["scale"].get_value()
+    assert scale.dtype == jnp.uint16 and scale.sharding.shard_shape(scale.shape)[-3:] == (1, 512 * 12 // 256, 128)
+    text = (tmp_path / "model.decode.hlo.txt").read_text()
+    layers, experts = scale.shape[0], scale.sharding.shard_shape(scale.shape)[1]
+    stack_copies = re.findall(rf"= u(?:8|16)\[{layers},{experts},[\d,]+\]\S* copy\(", text)
+    assert not stack_copies, stack_copies
+
+
+@needs_libtpu
 def test_the_exchange_in_rounds_bounds_an_expert_parallel_training_layers_temporaries():
     """The expert-parallel routed experts with the gradients of their input and weights,
     compiled for a TPU slice (expert=4, 1,024 tokens a device, top-8): exchanged in one round

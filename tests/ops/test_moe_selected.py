@@ -2,6 +2,8 @@
 it is used) and the native bf16 MXFP4 decode it runs on accelerators: both equal the other
 forms exactly, on one device and under expert parallelism (8 fake CPU devices)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,20 +106,38 @@ def test_expert_parallel_selected_equals_ragged(mesh_spec):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_model_with_word_packed_experts_read_by_row_equals_the_byte_model():
-    """The accelerator inference layout (`expert_words`) and the selected form, run on CPU:
-    prefill then decode give the byte model's logits exactly."""
+@pytest.mark.parametrize("mesh_spec", [None, "expert=4,tensor=2"])
+def test_model_in_the_accelerator_layout_read_by_row_equals_the_byte_model(mesh_spec):
+    """The accelerator inference layout (`expert_words`: codes as words, scales tiled where a
+    device's blocks are narrow) and the selected form, run on CPU, on one device and with the
+    experts split over 8 devices (`w_down`'s blocks split over `tensor`): prefill then decode
+    give the byte model's logits exactly."""
     from flax import nnx
 
     from k31jax import K31ForCausalLM, ModelConfig
+    from k31jax.distributed import shard_model
     from k31jax.nn import expert_words
     from k31jax.ops import Backends
 
-    cfg = ModelConfig.preset("tiny").replace(expert_weights="mxfp4")
+    # widths whose scales take the tiled layout: w_down [16, 512, 256] holds 8 scale blocks a
+    # row (4 a device under tensor=2), w_gate / w_up [16, 256, 512] 16
+    cfg = ModelConfig.preset("tiny").replace(expert_weights="mxfp4", moe_intermediate_size=256,
+                                             routed_expert_hidden_size=512)
     model = K31ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
+    if mesh is not None:
+        model = shard_model(model, mesh)
     graphdef, state = nnx.split(model)
     words = expert_words(state)
-    assert words["moe"]["w_gate"]["packed"].get_value().dtype == jnp.uint32
+    moe = words["moe"]
+    assert moe["w_gate"]["packed"].get_value().dtype == jnp.uint32
+    down = moe["w_down"]["scale"].get_value()
+    splits = 2 if mesh else 1  # w_down's 8 blocks a row over `tensor`: 512 x 8 / splits bytes a device
+    assert down.dtype == jnp.uint16 and down.shape[-3:] == (splits, 512 * 8 // splits // 256, 128)
+    # with the intermediate split over `tensor`, w_gate's scale rows are split: left as bytes
+    assert moe["w_gate"]["scale"].get_value().dtype == (jnp.uint8 if mesh else jnp.uint16)
+    if mesh is not None:  # each device holds its own blocks' part
+        assert down.sharding.spec[-3] == "tensor" and down.sharding.spec[1] == "expert"
 
     def run(st, backends):
         m = nnx.merge(graphdef, st)
@@ -128,7 +148,10 @@ def test_model_with_word_packed_experts_read_by_row_equals_the_byte_model():
         decode = step(tokens[:, :1], prefill.cache)
         return np.asarray(prefill.logits, np.float32), np.asarray(decode.logits, np.float32)
 
-    want = run(state, Backends(moe="auto"))
-    got = run(words, Backends(moe="selected"))
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5)
+    with sharding.activate(mesh) if mesh is not None else contextlib.nullcontext():
+        want = run(state, Backends(moe="auto"))
+        # the selected form reads one expert's scales, the others whole layers (prefill)
+        got = {form: run(words, Backends(moe=form)) for form in ("selected", "ragged", "auto")}
+    for form in got:
+        for g, w in zip(got[form], want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=2e-5, err_msg=form)

@@ -132,3 +132,31 @@ def test_block_max_histogram_diagnostic():
         hist = np.asarray(mxfp4_block_max_histogram(mxfp4_quantize_packed(w, rule)[0]))
         assert hist.sum() == 64 * 8 and hist[0] == 8
         assert set(np.flatnonzero(hist)) == allowed, (rule, hist)
+
+
+# ----------------------------------------------------------------------------
+# The tiled scale layout (accelerator inference)
+def test_scale_tiles_rule():
+    from k31jax.quant import scale_tiles
+
+    assert scale_tiles(3584, 96, 8)       # K3.1 Pro's w_down on tensor=8: 12 blocks a device
+    assert scale_tiles(3072, 112, 1)      # its w_gate / w_up with the intermediate whole
+    assert not scale_tiles(3584, 96, 5)   # blocks not split evenly
+    assert not scale_tiles(512, 256, 2)   # 128 blocks a device: already lane-wide
+    assert not scale_tiles(100, 12, 1)    # 1,200 bytes: not whole (8, 128) tiles of uint16
+
+
+@pytest.mark.parametrize("lead,out,blocks,splits", [((), 512, 4, 1), ((3, 5), 256, 24, 3), ((2,), 1024, 6, 2)])
+def test_tiled_scales_hold_each_parts_bytes_in_order_and_give_them_back(lead, out, blocks, splits):
+    """`tile_scales` then `scale_bytes` is the identity; part j of the tiled array is exactly
+    the tiled bytes of the blocks a device j holds, so a device's shard is its own scales."""
+    from k31jax.quant import scale_bytes, tile_scales
+
+    scale = np.random.default_rng(blocks).integers(0, 256, (*lead, out, blocks), dtype=np.uint8)
+    tiled = np.asarray(tile_scales(jnp.asarray(scale), splits))
+    part = blocks // splits
+    assert tiled.dtype == np.uint16 and tiled.shape == (*lead, splits, out * part // 256, 128)
+    np.testing.assert_array_equal(np.asarray(scale_bytes(jnp.asarray(tiled), out)), scale)
+    for j in range(splits):
+        own = scale[..., j * part:(j + 1) * part]
+        np.testing.assert_array_equal(tiled[..., j, :, :].view(np.uint8).reshape(own.shape), own)
