@@ -29,7 +29,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from ..config import ModelConfig
-from ..quant import SCALE_ROW, scale_tiles, tile_scales, words_view
+from ..quant import scale_tiles, tile_scales, words_view
 
 LAYER_STACKS = ("norms", "kda", "mla", "dense", "moe")
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
@@ -358,14 +358,15 @@ def _tiled_scale(a):
     named = isinstance(sharding, jax.sharding.NamedSharding)
     local = sharding.shard_shape(a.shape) if named else a.shape
     out, blocks = a.shape[-2:]
-    if local[-2] != out or not scale_tiles(out, blocks, blocks // local[-1]):
-        return None
     splits = blocks // local[-1]
-    shape = a.shape[:-2] + (splits, out * blocks // splits // (2 * SCALE_ROW), SCALE_ROW)
+    if local[-2] != out or not scale_tiles(out, blocks, splits):
+        return None
+    tile = functools.partial(tile_scales, splits=splits)
     where = None
-    if named:
+    if named:  # the parts axis splits where the blocks did
         spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
         where = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], None, None))
     if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(shape, jnp.uint16, sharding=where)
-    return jax.jit(functools.partial(tile_scales, splits=splits), out_shardings=where)(a)
+        tiled = jax.eval_shape(tile, jax.ShapeDtypeStruct(a.shape, a.dtype))
+        return jax.ShapeDtypeStruct(tiled.shape, tiled.dtype, sharding=where)
+    return jax.jit(tile, out_shardings=where)(a)

@@ -17,7 +17,6 @@ axis (by default the last, the contraction axis of ``[out, in]`` weights).
 from k31jax.quant._formats import E8M0_BIAS, E8M0_NAN, FORMATS, RULES, get_format, split_pow2
 from k31jax.quant._mx import compute_scales, decode_elements, dequantize, quantize, quantize_with_scales
 from k31jax.quant._pack import (
-    SCALE_ROW,
     MXFP4Weight,
     code_bytes,
     mxfp4_block_max_histogram,
@@ -35,7 +34,7 @@ from k31jax.quant._pack import (
 from k31jax.quant._qat import fake_quant, mx_fake_quant_activations
 
 __all__ = [
-    "E8M0_BIAS", "E8M0_NAN", "FORMATS", "MXFP4Weight", "SCALE_ROW", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
+    "E8M0_BIAS", "E8M0_NAN", "FORMATS", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
     "get_format", "mx_fake_quant_activations", "mxfp4_block_max_histogram", "mxfp4_dequantize_packed",
     "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "scale_bytes", "scale_tiles", "split_pow2", "tile_scales",
     "unpack_fp4",
