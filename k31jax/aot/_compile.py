@@ -29,7 +29,8 @@ from ..config import ModelConfig
 from ..distributed import DEVICES, abstract_cache, abstract_state, cache_shardings, plan_memory, plan_training
 from ..generate import abstract_decode_inputs, engine_program
 from ..nn import expert_words
-from ..ops import Backends
+from ..kernels import target_tpu
+from ..ops import Backends, tpu_kernel_layout
 from ..sharding import activate, get_rules, logical_to_spec, parse_mesh, rules_for_mesh, rules_name, shard_factor
 from ..train import OptimConfig, abstract_train_step
 from ._hlo import HloReport, analyse, peak_breakdown
@@ -301,7 +302,8 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
         return _compile_train(cfg, name, topology, devices, m, shape, rules, backends, batch, train or TrainSettings(),
                               dump)
     graphdef, state = abstract_state(cfg, m, rules)
-    state = expert_words(state)  # the layout the engine runs on an accelerator
+    with target_tpu():  # the layout the engine runs on a TPU: the kernel's when it runs the Pallas TPU one
+        state = expert_words(state, kernel=tpu_kernel_layout(backends))
     cache = abstract_cache(cfg, batch, context)
     cache = _placed(cache, cache_shardings(cache, m, rules))
     program = engine_program(step)
@@ -339,9 +341,10 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
 
 def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lowered=None):
     """(lower s, compile s, the compiler's per-device memory, optimized HLO, XLA's cost totals,
-    what it holds at its memory peak)."""
+    what it holds at its memory peak). Lowered for a TPU (`kernels.target_tpu`): "pallas"
+    kernels are the Mosaic ones."""
     t0 = time.perf_counter()
-    with activate(mesh, rules):
+    with activate(mesh, rules), target_tpu():
         lowered = jitted.lower(*args)
     t1 = time.perf_counter()
     compile_lowered = compile_lowered or (lambda lowered, options: lowered.compile(compiler_options=options))

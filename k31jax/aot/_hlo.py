@@ -299,7 +299,21 @@ def _updates_in_place(ins: Instruction, comps) -> bool:
     return False
 
 
+def kernel_cost(ins: Instruction) -> tuple[int, int] | None:
+    """(flops, bytes) a Pallas TPU kernel (a `tpu_custom_call`) declares in its
+    `pl.CostEstimate`, computed from its grid and BlockSpecs; None for other instructions. Its
+    operands are whole arrays (a layer stack, say) of which the kernel's DMAs read only blocks,
+    so their sizes would overcount it."""
+    if ins.opcode != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+        return None
+    m = re.search(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"', ins.attrs)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _flops(ins: Instruction, by_name) -> int:
+    cost = kernel_cost(ins)
+    if cost is not None:
+        return cost[0]
     out = sum(math.prod(a.dims) for a in ins.shape[:1])
     if ins.opcode == "dot":
         lhs = by_name.get(ins.operands[0]) if ins.operands else None
@@ -389,6 +403,9 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
         return sum(_instruction_bytes(ins) for ins in comps.get(comp, []) if ins.opcode not in _FREE)
 
     def _instruction_bytes(ins: Instruction) -> int:
+        cost = kernel_cost(ins)
+        if cost is not None:
+            return cost[1]
         return _result_write_bytes(ins, by_name, comps) + sum(
             _operand_read_bytes(ins, k, by_name, comps) for k in range(len(ins.operands)))
 

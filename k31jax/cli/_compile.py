@@ -29,6 +29,10 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences (train: rows per micro-batch)")
     p.add_argument("--context", type=int, default=4096, help="cache length in tokens")
     p.add_argument("--chunk", type=int, default=2048, help="prefill call width (--step prefill)")
+    p.add_argument("--kernels", default="xla", choices=["xla", "pallas"],
+                   help="the hot paths' kernel seam: the XLA paths (what the engine runs on a TPU today), or "
+                        "the Pallas TPU kernels where they exist (the MXFP4 grouped matmul; not yet verified "
+                        "on TPU hardware)")
     t = p.add_argument_group("--step train (the flags of k31jax train)")
     t.add_argument("--qat", action=argparse.BooleanOptionalAction, default=True, help="MXFP4 fake-quant of the experts")
     t.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: train --trainable)")
@@ -53,6 +57,7 @@ def _check(args) -> None:
 
 def _run(args) -> int:
     from .. import aot
+    from ..ops import Backends
 
     if not aot.libtpu_available():
         raise UsageError("the TPU compiler is not installed: pip install 'k31jax[tpu]' (or "
@@ -65,7 +70,7 @@ def _run(args) -> int:
                                   grad_accum=args.grad_accum)
         report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,
                                      context=args.context, chunk=args.chunk, rules=args.rules, dump=args.dump,
-                                     train=train)
+                                     train=train, backends=Backends(kernels=args.kernels, ep="ragged"))
     except aot.CompileError as exc:
         raise UsageError(str(exc)) from None
     print(report.table())

@@ -35,7 +35,7 @@ from flax import nnx
 
 from ..chat import ThinkingBudget
 from ..nn import LAYER_STACKS, ROUTED_EXPERTS, Cache, expert_words, unstack_layers
-from ..ops import Backends
+from ..ops import Backends, tpu_kernel_layout
 from ..vision import ImagePrompts
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
 from ._logits import TokenRules
@@ -93,6 +93,8 @@ class GenerationCore:
             layer_rows = _rows_pay_off(self.state, self.config.num_hidden_layers)
         if layer_rows:
             self.state = unstack_layers(self.state)
+        elif tpu_kernel_layout(self.backends):  # the Pallas TPU grouped matmul reads its own layout
+            self.state = expert_words(self.state, kernel=True)
         elif jax.default_backend() != "cpu":  # see `expert_words`; XLA:CPU runs the byte form faster
             self.state = expert_words(self.state)
         if stop_ids is not None:

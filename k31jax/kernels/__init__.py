@@ -1,5 +1,7 @@
-"""GPU Pallas kernels for the hot paths, reached through the ops' one `impl=` seam
-(`k31jax.ops.resolve_impl`; the ops give each kernel its XLA path's gradient).
+"""Pallas kernels for the hot paths, reached through the ops' one `impl=` seam
+(`k31jax.ops.resolve_impl`; the ops give each kernel its XLA path's gradient). Pallas-Triton
+(GPU) for all of them; Pallas TPU (Mosaic) so far for the MXFP4 grouped matmul
+(`mxfp4_matmul.mosaic_mxfp4_gmm`), which "pallas" picks for a TPU (`kernel_platform`).
 
 - `kda_chunk`: KDA chunked forward (intra-chunk UT solve + inter-chunk state pass) and the
   fused single-token decode step (kernel paths of `ops.kda_chunked`, `ops.kda_recurrent`);
@@ -15,6 +17,6 @@ padding, launch, unpadding; `impl` is "pallas" or "interpret"). This layer sits 
 """
 
 from . import kda_chunk, mxfp4_matmul, sparse_mla
-from ._common import lowering_only
+from ._common import kernel_platform, lowering_only, target_tpu
 
-__all__ = ["kda_chunk", "lowering_only", "mxfp4_matmul", "sparse_mla"]
+__all__ = ["kda_chunk", "kernel_platform", "lowering_only", "mxfp4_matmul", "sparse_mla", "target_tpu"]

@@ -25,13 +25,32 @@ except ImportError:  # pragma: no cover - a jax without the Triton backend
     _TritonParams = None
 
 KERNEL_IMPLS = ("pallas", "interpret")
-# set inside `abstract_gpu`: programs are lowered for a GPU this host does not have, never compiled
-_LOWERING_ONLY = contextvars.ContextVar("k31jax_kernel_lowering_only", default=False)
+# set inside `abstract_gpu` / `target_tpu`: programs are built for an accelerator this host does
+# not have ("gpu": lowered only; "tpu": compiled by libtpu, deviceless)
+_TARGET = contextvars.ContextVar("k31jax_kernel_target", default=None)
 
 
 def lowering_only() -> bool:
-    """True inside `abstract_gpu` (kernels are lowered for CUDA on a host without a GPU)."""
-    return _LOWERING_ONLY.get()
+    """True inside `abstract_gpu` or `target_tpu`: the program is for another platform than
+    this host's, so a kernel cannot be tried out here first."""
+    return _TARGET.get() is not None
+
+
+def kernel_platform() -> str:
+    """The platform the kernels are built for: the one `abstract_gpu` / `target_tpu` names,
+    else the default backend's."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def target_tpu():
+    """Build kernels for a TPU inside this context ("pallas" picks the Mosaic kernels), as
+    `k31jax.aot` does when it compiles a program for a TPU slice from any host."""
+    token = _TARGET.set("tpu")
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def call(kernel, *, out_shape, grid, impl: str, num_warps: int = 4, num_stages: int = 2,
@@ -93,12 +112,12 @@ def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132):
         ctx = jax.sharding.use_abstract_mesh(mesh)
     except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - older jax
         raise NotImplementedError(f"abstract GPU lowering unavailable on jax {jax.__version__}: {e}")
-    token = _LOWERING_ONLY.set(True)
+    token = _TARGET.set("gpu")
     try:
         with ctx:
             yield
     finally:
-        _LOWERING_ONLY.reset(token)
+        _TARGET.reset(token)
 
 
 def lower_for_gpu(fn, *args) -> str:

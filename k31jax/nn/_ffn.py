@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 from ..config import ModelConfig
 from ..ops import (Backends, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
                    router_scores)
-from ..quant import mxfp4_quantize_packed
+from ..quant import mxfp4_quantize_packed, mxfp4_weight
 from ._param import constant, normal, param
 
 
@@ -26,7 +26,7 @@ class PackedExperts(nnx.Module):
 
     def weight(self, row=None) -> MXFP4Weight:
         """The weight; with `row`, `packed` / `scale` hold a whole layer stack and this is its row."""
-        return MXFP4Weight(self.packed[...], self.scale[...], row)
+        return mxfp4_weight(self.packed[...], self.scale[...], row)
 
 
 def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
@@ -148,7 +148,8 @@ class LatentMoE(nnx.Module):
         if plan is None:
             u = routed_experts(u_in, idx, weights, *ws, form=backends.moe, kernels=backends.kernels, **kwargs)
         else:
-            u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, local=backends.moe, **kwargs)
+            u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, local=backends.moe, kernels=backends.kernels,
+                                  **kwargs)
         u = u.astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:

@@ -29,7 +29,7 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from ..config import ModelConfig
-from ..quant import scale_tiles, tile_scales, words_view
+from ..quant import kernel_layout, scale_tiles, tile_scales, words_view
 
 LAYER_STACKS = ("norms", "kda", "mla", "dense", "moe")
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
@@ -321,14 +321,18 @@ def unstack_layers(state: nnx.State) -> nnx.State:
                       for key, sub in state.items()})
 
 
-def expert_words(state: nnx.State) -> nnx.State:
+def expert_words(state: nnx.State, kernel: bool = False) -> nnx.State:
     """The model state in the accelerator inference layout of the packed routed experts (the
     same bytes, `MXFP4Weight`): codes as uint32 words `[..., n/4]`, and scales whose blocks a
     device holds are not a multiple of 128 wide as tiled uint16 rows (`quant.tile_scales`).
     XLA:TPU retiles a uint8 stack that a loop reads, one copy of every layer's experts (or
     scales) per call; these it reads in place. Leaves may be arrays or ShapeDtypeStructs
     (ahead-of-time compilation); shardings are kept (the words split where the bytes did, when
-    the split divides them; a tiled scale's parts split where its blocks did)."""
+    the split divides them; a tiled scale's parts split where its blocks did).
+
+    kernel: the layout of the Pallas TPU grouped matmul instead (`quant.MXFP4KernelWeight`:
+    words `[..., in/8, out]`, scale bytes `[..., splits, rows, out]`, `splits` the parts a
+    device's share of the blocks make), for a program that runs that kernel."""
     def words(a):
         if isinstance(a, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] // 4,), jnp.uint32, sharding=a.sharding)
@@ -342,12 +346,41 @@ def expert_words(state: nnx.State) -> nnx.State:
         w = moe.get(name)
         if isinstance(w, nnx.State) and "packed" in w and w["packed"].get_value().dtype == jnp.uint8:
             w = nnx.State(dict(w))
+            if kernel:
+                words, scale = _kernel_layout(w["packed"].get_value(), w["scale"].get_value())
+                w["packed"], w["scale"] = w["packed"].replace(words), w["scale"].replace(scale)
+                moe[name] = w
+                continue
             w["packed"] = w["packed"].replace(words(w["packed"].get_value()))
             tiled = _tiled_scale(w["scale"].get_value())
             if tiled is not None:
                 w["scale"] = w["scale"].replace(tiled)
             moe[name] = w
     return nnx.State({**state, "moe": nnx.State(moe)})
+
+
+def _kernel_layout(packed, scale):
+    """`quant.kernel_layout` of a stack (arrays or ShapeDtypeStructs), sharded as the bytes were:
+    the words' `in/8` and `out` axes and the scale's parts split where the bytes' `in` / blocks
+    and `out` axes did."""
+    sharding = getattr(packed, "sharding", None)
+    named = isinstance(sharding, jax.sharding.NamedSharding)
+    local = scale.sharding.shard_shape(scale.shape) if named else scale.shape
+    splits = scale.shape[-1] // local[-1]
+    convert = functools.partial(kernel_layout, splits=splits)
+    where = None
+    if named:
+        spec = tuple(sharding.spec) + (None,) * (packed.ndim - len(sharding.spec))
+        lead, out_ax, in_ax = spec[:-2], spec[-2], spec[-1]
+        mesh = sharding.mesh
+        where = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, in_ax, out_ax)),
+                 jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, in_ax, None, out_ax)))
+    if isinstance(packed, jax.ShapeDtypeStruct):
+        shapes = jax.eval_shape(convert, jax.ShapeDtypeStruct(packed.shape, packed.dtype),
+                                jax.ShapeDtypeStruct(scale.shape, scale.dtype))
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=w)
+                     for a, w in zip(shapes, where or (None, None)))
+    return jax.jit(convert, out_shardings=where)(packed, scale)
 
 
 def _tiled_scale(a):

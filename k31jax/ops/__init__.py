@@ -11,7 +11,8 @@ the engine take the whole choice as one `Backends` object. `ep_routed_experts` r
 
 from ._activations import glu, situ_glu, swiglu
 from ._attn_res import attn_res_mix
-from ._impl import IMPLS, MOE_FORMS, Backends, EpExchange, Impl, ImplChoice, MoeForm, SparseForm, resolve_impl
+from ._impl import (IMPLS, MOE_FORMS, Backends, EpExchange, Impl, ImplChoice, MoeForm, SparseForm, resolve_impl,
+                    tpu_kernel_layout)
 from ._indexer import indexer_keys, indexer_queries, indexer_scores, select_topk, selection_mask
 from ._kda import kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, short_conv, softplus_thresholded
 from ._mla import absorb_query, mla_attention, mla_attention_absorbed, mla_attention_logits, mla_attention_sparse
@@ -23,7 +24,7 @@ from ._router import route, router_scores
 
 __all__ = [
     "EXCHANGES", "EPPlan", "EpExchange", "IMPLS", "Impl", "ImplChoice", "MOE_FORMS", "MoeForm", "SparseForm",
-    "Backends", "ep_routed_experts", "exchange_rounds", "make_ep_plan", "ragged_exchange", "resolve_impl",
+    "Backends", "ep_routed_experts", "exchange_rounds", "make_ep_plan", "ragged_exchange", "resolve_impl", "tpu_kernel_layout",
     "MXFP4Weight", "absorb_query", "attn_res_mix", "blocked_rows", "combine", "glu", "grouped_matmul",
     "grouped_matmul_blocked",
     "indexer_keys", "indexer_queries", "indexer_scores", "kda_chunked", "kda_gate",

@@ -1,8 +1,13 @@
-"""The ops' one kernel seam: `impl ∈ {"xla", "pallas", "interpret"}` (`Impl`), or None / "auto".
+"""The ops' one kernel seam: `impl ∈ {"xla", "pallas", "interpret", "interpret_tpu"}` (`Impl`),
+or None / "auto".
 
 - "xla": the op's jnp path — the reference the kernels are tested against;
-- "pallas": the Pallas-Triton kernel of `k31jax.kernels`, compiled for the GPU;
-- "interpret": the same kernel body run by the Pallas interpreter (any backend: CPU tests);
+- "pallas": the kernel of `k31jax.kernels` for the target platform (`kernels.kernel_platform`):
+  Pallas-Triton for a GPU; for a TPU the Pallas TPU (Mosaic) kernel where one exists
+  (`TPU_KERNELS`), else the op's XLA path;
+- "interpret": the Triton kernel body run by the Pallas interpreter (any backend: CPU tests);
+- "interpret_tpu": the Mosaic kernel body run with TPU semantics (`pltpu.InterpretParams`) on
+  any backend, where one exists; the XLA path for the other ops;
 - None / "auto": the kernel only where it has passed its check on real GPU hardware
   (`VERIFIED_ON_GPU`, filled from benchmarks/RESULTS.md with the jax version it ran on), on a
   GPU backend, when the op runs on one device's data (no mesh, or inside `shard_map` over every
@@ -42,10 +47,10 @@ from typing import Literal
 
 import jax
 
-from ..kernels import lowering_only
+from ..kernels import kernel_platform, lowering_only
 
-Impl = Literal["xla", "pallas", "interpret"]            # a resolved choice of the kernel seam
-ImplChoice = Literal["auto", "xla", "pallas", "interpret"]  # what callers pass ("auto" / None resolve)
+Impl = Literal["xla", "pallas", "interpret", "interpret_tpu"]  # a resolved choice of the kernel seam
+ImplChoice = Literal["auto", "xla", "pallas", "interpret", "interpret_tpu"]  # what callers pass ("auto" / None resolve)
 MoeForm = Literal["auto", "ragged", "blocked", "gather", "selected"]
 SparseForm = Literal["auto", "mask", "gather"]
 EpExchange = Literal["auto", "ragged", "dense", "allgather", "off"]
@@ -57,6 +62,8 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
+# kernels with a Pallas TPU (Mosaic) version; none has run on a TPU, so "auto" never picks them
+TPU_KERNELS = ("mxfp4_gmm",)
 
 
 def _kernels_from_env() -> ImplChoice:
@@ -78,8 +85,9 @@ class Backends:
     kernels: the ops' kernel seam for KDA (chunk, decode step), sparse MLA attention, the
       indexer top-k and the packed-MXFP4 grouped matmul: "auto" (a kernel verified on GPU
       hardware, on a GPU, when the op runs on one device's data; XLA otherwise), "xla",
-      "pallas" (opt in to every kernel) or "interpret" (the kernel bodies on the Pallas
-      interpreter, any backend). Default: `$K31JAX_KERNELS`, else "auto".
+      "pallas" (opt in to every kernel of the target platform), "interpret" (the Triton
+      kernel bodies on the Pallas interpreter, any backend) or "interpret_tpu" (the Mosaic
+      kernel bodies with TPU semantics, any backend). Default: `$K31JAX_KERNELS`, else "auto".
     moe: the routed experts' grouped-matmul form (`ops.routed_experts`): "auto" (packed MXFP4
       experts take the kernel when `kernels` resolves to one; otherwise, for fewer
       assignments than experts, "gather" on CPU and "selected" (a loop over the chosen
@@ -125,7 +133,17 @@ def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True
         return "pallas" if gpu and supported and kernel in VERIFIED_ON_GPU and _per_device() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
+    tpu = impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
+    if tpu and kernel not in TPU_KERNELS:
+        return "xla"
     return impl
+
+
+def tpu_kernel_layout(backends: Backends) -> bool:
+    """Whether packed routed experts run the Pallas TPU grouped matmul under `backends` (so a
+    program's state holds them in its layout, `nn.expert_words(kernel=True)`)."""
+    impl = resolve_impl(backends.kernels, "mxfp4_gmm")
+    return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
 
 
 def with_reference_grad(kernel, reference):

@@ -29,7 +29,7 @@ def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
     a float weight is quantise-dequantised to MXFP4 along `in` (QAT, straight-through grad)."""
     if isinstance(w, MXFP4Weight):
         w = w.layer()
-        return mxfp4_dequantize_packed(w.packed, w.scales(), dtype=dtype)
+        return mxfp4_dequantize_packed(w.codes(), w.scales(), dtype=dtype)
     if fake_quant:
         return fake_quant_weight(w, "e2m1", "floor").astype(dtype)
     return w.astype(dtype)
@@ -39,7 +39,7 @@ def take_experts(w: ExpertWeight, idx: Int[Array, "..."]) -> ExpertWeight:
     """Gather the experts `idx` along the leading axis, keeping the storage format."""
     if isinstance(w, MXFP4Weight):
         w = w.layer()
-        return MXFP4Weight(w.packed[idx], w.scale[idx])
+        return w.with_arrays(w.packed[idx], w.scale[idx])
     return w[idx]
 
 
@@ -76,7 +76,7 @@ def grouped_matmul(
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
         return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
-                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w.as_bytes(), group_sizes)
+                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
                                    preferred_element_type=jnp.float32)
@@ -143,7 +143,7 @@ def one_expert(w: ExpertWeight, e: Int[Array, ""]) -> ExpertWeight:
             return jax.lax.dynamic_slice(a, at + (0,) * (a.ndim - len(at)),
                                          (1,) * len(at) + a.shape[len(at):]).reshape(a.shape[len(at):])
 
-        return MXFP4Weight(take(w.packed), take(w.scale))
+        return w.with_arrays(take(w.packed), take(w.scale))
     return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
 
@@ -260,7 +260,7 @@ def routed_experts(
     def act(g, u):
         return glu(g, u, hidden_act, beta_gate, beta_up)
 
-    if form != "selected":  # every other form reads whole layers
+    if form != "selected" and kernel == "xla":  # every other XLA form reads whole layers; a kernel reads stacks
         w_gate, w_up, w_down = (w.layer() if isinstance(w, MXFP4Weight) else w for w in (w_gate, w_up, w_down))
 
     def qin(a):
@@ -272,7 +272,7 @@ def routed_experts(
         g, u = kernel_or_reference(
             "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel),
             lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
-            xs, w_gate.as_bytes(), w_up.as_bytes(), sizes)
+            xs, w_gate, w_up, sizes)
         y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel)
         return combine(y, order, weights)
     if form in ("ragged", "blocked"):

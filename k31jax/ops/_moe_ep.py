@@ -36,9 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
+from ..kernels import mxfp4_matmul
+from ..quant import MXFP4KernelWeight, MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
+from ._impl import ImplChoice, kernel_or_reference, resolve_impl
 from ._moe import RAGGED_DOT_DIMS, expert_window, materialize, one_expert, visit_selected_experts
 
 EXCHANGES = ("ragged", "dense", "allgather")
@@ -124,7 +126,15 @@ class EPPlan:
         out = []
         for w, down in ((w_gate, False), (w_up, False), (w_down, True)):
             spec = P(ep, None, tp) if down else P(ep, tp, None)
-            if isinstance(w, MXFP4Weight):
+            if isinstance(w, MXFP4KernelWeight):  # words `[E, in/8, out]`, scale `[E, splits, rows, out]`
+                splits = w.scale.shape[-3]
+                if down and splits != self.tp_size:
+                    raise ValueError(f"w_down in the kernel layout holds its scale blocks in {splits} parts; "
+                                     f"this mesh splits them {self.tp_size} ways (quant.kernel_layout(splits=))")
+                words, scale = (P(ep, tp, None), P(ep, tp, None, None)) if down else (P(ep, None, tp), P(ep, None, None, tp))
+                lead = (None,) if w.row is not None else ()
+                out.append(MXFP4KernelWeight(P(*lead, *words), P(*lead, *scale), P() if w.row is not None else None))
+            elif isinstance(w, MXFP4Weight):
                 scale = spec if (not down or self.scale_split) else P(ep, None, None)
                 if w.scale.dtype == jnp.uint16:  # tiled `[E, splits, rows, 128]`: the splits are the blocks'
                     scale = P(ep, scale[2], None, None)
@@ -186,30 +196,31 @@ def _local_float(w, dtype, plan: EPPlan, down: bool, fake_quant: bool):
         return materialize(w, dtype, fake_quant)
     w = w.layer()
     if not down or plan.scale_split:
-        return mxfp4_dequantize_packed(w.packed, w.scales(), dtype=dtype)
+        return mxfp4_dequantize_packed(w.codes(), w.scales(), dtype=dtype)
     # The intermediate is split finer than the 32-blocks: each byte (2 codes) takes the scale
     # of the block its global column falls in.
     half = w.shape[-1]
     r = jax.lax.axis_index(_axis(plan.tp_axes))
     cols = r * (2 * half) + 2 * jnp.arange(half)
-    return mxfp4_dequantize_packed(w.packed, jnp.take(w.scales(), cols // 32, axis=-1), dtype=dtype, block=2)
+    return mxfp4_dequantize_packed(w.codes(), jnp.take(w.scales(), cols // 32, axis=-1), dtype=dtype, block=2)
 
 
 def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_form, window, hidden_act,
-                 beta_gate, beta_up, weight_fake_quant, activation_fake_quant):
+                 beta_gate, beta_up, weight_fake_quant, activation_fake_quant, kernel="xla"):
     """Each row through its (local) expert; rows with local_e == n_local give zeros.
 
     local_form "ragged": one `ragged_dot` per weight over every local expert (prefill);
     "selected": a loop over the local experts some row chose (`visit_selected_experts`),
-    each decoded where it is used (decode); "auto": "selected" off CPU, "ragged" on CPU
-    (chosen at lowering).
+    each decoded where it is used (decode); "kernel": the MXFP4 grouped-matmul kernel `kernel`
+    ("pallas" / "interpret" / "interpret_tpu"; gate and up in one launch), differentiated as
+    the ragged form; "auto": "selected" off CPU, "ragged" on CPU (chosen at lowering).
     """
     if local_form == "auto":
         def form(name):
             return lambda *a: _expert_rows(
                 *a[:2], n_local, *a[2:], plan, local_form=name, window=window, hidden_act=hidden_act,
                 beta_gate=beta_gate, beta_up=beta_up, weight_fake_quant=weight_fake_quant,
-                activation_fake_quant=activation_fake_quant)
+                activation_fake_quant=activation_fake_quant, kernel=kernel)
 
         return jax.lax.platform_dependent(rows, local_e, w_gate, w_up, w_down, cpu=form("ragged"),
                                           default=form("selected"))
@@ -237,14 +248,39 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
         x_w = qin(x_w)
         return mm(qin(glu(mm(x_w, w_gate), mm(x_w, w_up), hidden_act, beta_gate, beta_up)), w_down, down=True)
 
-    if local_form == "selected":
+    if local_form == "kernel":
+        xs = qin(xs)
+
+        def gate_up_reference(x_, wg, wu, sizes_):
+            return tuple(jax.lax.ragged_dot_general(x_, _local_float(w, x_.dtype, plan, False, False), sizes_,
+                                                    RAGGED_DOT_DIMS, preferred_element_type=jnp.float32
+                                                    ).astype(x_.dtype) for w in (wg, wu))
+
+        def down_reference(h_, wd, sizes_):
+            y_ = jax.lax.ragged_dot_general(h_, _local_float(wd, h_.dtype, plan, True, False), sizes_,
+                                            RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
+            return y_.astype(out_dt)
+
+        # the receive buffer holds the worst case; a device gets its own share of rows on average
+        mean_rows = rows.shape[0] // plan.ep_size
+
+        def down_kernel(h_, wd, sizes_):
+            return mxfp4_matmul.grouped_matmul(h_, wd, sizes_, impl=kernel, out_dtype=out_dt,
+                                               expected_rows=mean_rows)
+
+        g, u = kernel_or_reference("mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up,
+                                                                           impl=kernel, expected_rows=mean_rows),
+                                   gate_up_reference)(xs, w_gate, w_up, sizes)
+        h = qin(glu(g, u, hidden_act, beta_gate, beta_up))
+        y = kernel_or_reference("mxfp4_gmm", kernel, down_kernel, down_reference)(h, w_down, sizes)
+    elif local_form == "selected":
         d_out = _shape(w_down)[1]
         y = visit_selected_experts(xs, sizes, window, expert_rows, d_out, out_dt)
     elif local_form == "ragged":
         xs = qin(xs)
         y = gmm(qin(glu(gmm(xs, w_gate), gmm(xs, w_up), hidden_act, beta_gate, beta_up)), w_down, down=True)
     else:
-        raise ValueError(f"expert-parallel local form {local_form!r}: expected 'auto', 'ragged' or 'selected'")
+        raise ValueError(f"expert-parallel local form {local_form!r}: expected 'auto', 'ragged', 'selected' or 'kernel'")
     return jnp.zeros_like(y).at[order].set(y)
 
 
@@ -314,7 +350,8 @@ def _round(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
 
 def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hidden_act: str = "situ",
                       beta_gate: float = 4.0, beta_up: float | None = 25.0, weight_fake_quant: bool = False,
-                      activation_fake_quant: bool = False, local: str = "auto", round_bytes: int = ROUND_BYTES):
+                      activation_fake_quant: bool = False, local: str = "auto", round_bytes: int = ROUND_BYTES,
+                      kernels: ImplChoice | None = None):
     """`Σ_k p_k · E_{e_k}(x)` (fp32 `[N, d]`) with the experts split as `plan` says.
 
     Same contract as `k31jax.ops.routed_experts`. The result is complete (reduced over the
@@ -325,12 +362,18 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     prefill: each device then reads only the experts its rows chose), "ragged" otherwise.
     round_bytes: the ragged form exchanges a device's tokens in `exchange_rounds` rounds whose
     worst-case fp32 receive buffer holds at most this.
+    kernels: the kernel seam (`_impl.resolve_impl`) for packed experts: where it resolves to a
+    kernel, each device runs the MXFP4 grouped-matmul kernel on its rows ("kernel"), whatever
+    `local` says.
     """
     n, k = idx.shape
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
+    kernel = resolve_impl(kernels, "mxfp4_gmm") if packed and not weight_fake_quant else "xla"
+    if kernel != "xla":
+        local = "kernel"
     if local == "auto" and not (packed and n * k < plan.num_experts):
         local = "ragged"
-    if local not in ("auto", "ragged", "selected"):
+    if local not in ("auto", "ragged", "selected", "kernel"):
         local = "ragged"  # the single-device forms (blocked, gather) have no expert-parallel variant
     i_local = _shape(w_gate)[1] // plan.tp_size
     if plan.tp_size > 1 and (weight_fake_quant or activation_fake_quant) and i_local % 32:
@@ -344,7 +387,8 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     body = functools.partial(_body, plan=plan, rounds=rounds, local_form=local,
                              window=expert_window(n, n * k * plan.ep_size),
                              hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
-                             weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
+                             weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant,
+                             kernel=kernel)
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down),
                        out_specs=tok, check_vma=False)
     return fn(x, idx.astype(jnp.int32), weights.astype(jnp.float32), w_gate, w_up, w_down)

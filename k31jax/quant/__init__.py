@@ -6,7 +6,8 @@ axis (by default the last, the contraction axis of ``[out, in]`` weights).
 
 - Core (pure, jit-able; static format / rule / block / axis / dtype): ``quantize``,
   ``dequantize``, ``compute_scales``, ``quantize_with_scales``, ``decode_elements``.
-- Packed MXFP4 (the model's storage): ``MXFP4Weight``, ``pack_fp4``, ``unpack_fp4``,
+- Packed MXFP4 (the model's storage): ``MXFP4Weight`` (and ``MXFP4KernelWeight``, the Pallas
+  TPU kernel's layout: ``kernel_layout``, ``mxfp4_weight``), ``pack_fp4``, ``unpack_fp4``,
   ``mxfp4_quantize_packed``, ``mxfp4_dequantize_packed``, ``mxfp4_unpack_to_e4m3``,
   ``mxfp4_block_max_histogram``.
 - QAT: ``fake_quant`` (straight-through), ``mx_fake_quant_activations``.
@@ -17,13 +18,17 @@ axis (by default the last, the contraction axis of ``[out, in]`` weights).
 from k31jax.quant._formats import E8M0_BIAS, E8M0_NAN, FORMATS, RULES, get_format, split_pow2
 from k31jax.quant._mx import compute_scales, decode_elements, dequantize, quantize, quantize_with_scales
 from k31jax.quant._pack import (
+    MXFP4KernelWeight,
     MXFP4Weight,
     code_bytes,
+    kernel_layout,
+    kernel_scale_rows,
     mxfp4_block_max_histogram,
     mxfp4_dequantize_packed,
     mxfp4_dequantize_packed_bf16,
     mxfp4_quantize_packed,
     mxfp4_unpack_to_e4m3,
+    mxfp4_weight,
     pack_fp4,
     scale_bytes,
     scale_tiles,
@@ -34,8 +39,8 @@ from k31jax.quant._pack import (
 from k31jax.quant._qat import fake_quant, mx_fake_quant_activations
 
 __all__ = [
-    "E8M0_BIAS", "E8M0_NAN", "FORMATS", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant",
+    "E8M0_BIAS", "E8M0_NAN", "FORMATS", "MXFP4KernelWeight", "MXFP4Weight", "RULES", "compute_scales", "decode_elements", "dequantize", "fake_quant", "kernel_layout", "kernel_scale_rows",
     "get_format", "mx_fake_quant_activations", "mxfp4_block_max_histogram", "mxfp4_dequantize_packed",
-    "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "pack_fp4", "quantize", "quantize_with_scales", "scale_bytes", "scale_tiles", "split_pow2", "tile_scales",
+    "mxfp4_dequantize_packed_bf16", "mxfp4_quantize_packed", "mxfp4_unpack_to_e4m3", "mxfp4_weight", "pack_fp4", "quantize", "quantize_with_scales", "scale_bytes", "scale_tiles", "split_pow2", "tile_scales",
     "unpack_fp4",
 ]

@@ -65,17 +65,93 @@ class MXFP4Weight(NamedTuple):
         """This layer with uint8 codes `[E, out, in/2]` and scale bytes `[E, out, in/32]`, for
         code that reads bytes (kernels)."""
         w = self.layer()
-        return MXFP4Weight(code_bytes(w.packed), w.scales())
+        return MXFP4Weight(code_bytes(w.codes()), w.scales())
+
+    def codes(self) -> jax.Array:
+        """The codes along `in` per output row: uint8 `[..., out, in/2]` or uint32 words
+        `[..., out, in/8]` as held (`mxfp4_dequantize_packed` reads both)."""
+        return self.packed
 
     def scales(self) -> jax.Array:
         """The E8M0 scale bytes `[..., out, in/32]`, from either scale layout."""
         return scale_bytes(self.scale, self.packed.shape[-2])
+
+    def with_arrays(self, packed, scale, row=None) -> MXFP4Weight:
+        """The same layout (this class) holding other arrays (a slice, a gather)."""
+        return type(self)(packed, scale, row)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The byte-code shape of one layer, `[E, out, in/2]`."""
         shape = tuple(self.packed.shape[1:] if self.row is not None else self.packed.shape)
         return shape[:-1] + (shape[-1] * (4 if self.packed.dtype == jnp.uint32 else 1),)
+
+
+class MXFP4KernelWeight(MXFP4Weight):
+    """`MXFP4Weight` in the layout of the Pallas TPU grouped matmul (`kernel_layout`): codes as
+    uint32 words `[..., E, in/8, out]` and scale bytes `[..., E, splits, rows, out]`, output
+    columns minor in both. XLA:TPU keeps both in its default layout (it stores `[E, out,
+    in/8]` words with `out` minor whenever in/8 is not a multiple of 128, and moves a dozen-wide
+    scale axis outside the experts), so the kernel reads the stacks where they lie. `splits`:
+    the parts the scale blocks are split into over devices, each padded to `rows` (a multiple of
+    8: one sublane tile) with zero rows the kernel never reads. The XLA paths read it through
+    `codes()` / `scales()` (transposes: a fallback, not a fast path)."""
+
+    __slots__ = ()
+
+    def layer(self) -> MXFP4KernelWeight:
+        if self.row is None:
+            return self
+        return MXFP4KernelWeight(self.packed[self.row], self.scale[self.row])
+
+    def codes(self) -> jax.Array:
+        words = jnp.swapaxes(self.packed, -1, -2)
+        return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
+
+    def scales(self) -> jax.Array:
+        *lead, splits, rows, out = self.scale.shape
+        part = self.packed.shape[-2] // 4 // splits
+        blocks = self.scale[..., :part, :].reshape(*lead, splits * part, out)
+        return jnp.swapaxes(blocks, -1, -2)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The byte-code shape of one layer, `[E, out, in/2]`."""
+        shape = tuple(self.packed.shape[1:] if self.row is not None else self.packed.shape)
+        return shape[:-2] + (shape[-1], 4 * shape[-2])
+
+
+def kernel_scale_rows(blocks: int) -> int:
+    """Rows of one part of the kernel layout's scales: its blocks rounded up to a multiple of 8."""
+    return -(-blocks // 8) * 8
+
+
+def kernel_layout(packed: jax.Array, scale: jax.Array, splits: int = 1) -> tuple[jax.Array, jax.Array]:
+    """`MXFP4KernelWeight`'s arrays from codes `[..., out, in/2]` (bytes or words) and scale
+    bytes `[..., out, in/32]` (bytes or tiled): words `[..., in/8, out]`, and the blocks in
+    `splits` equal parts (as devices hold them), each padded to `kernel_scale_rows` rows:
+    `[..., splits, rows, out]`."""
+    codes = code_bytes(packed)
+    *lead, out, half = codes.shape
+    words = jax.lax.bitcast_convert_type(codes.reshape(*lead, out, half // 4, 4), jnp.uint32)
+    sb = scale_bytes(scale, out)
+    blocks = sb.shape[-1]
+    part = blocks // splits
+    if blocks % splits or half % 4:
+        raise ValueError(f"kernel_layout: codes {tuple(codes.shape)} / scale blocks {blocks} do not split "
+                         f"into {splits} parts of whole words")
+    parts = jnp.swapaxes(sb, -1, -2).reshape(*lead, splits, part, out)
+    pad = kernel_scale_rows(part) - part
+    if pad:
+        parts = jnp.pad(parts, [(0, 0)] * (len(lead) + 1) + [(0, pad), (0, 0)])
+    return jnp.swapaxes(words, -1, -2), parts
+
+
+def mxfp4_weight(packed, scale, row=None) -> MXFP4Weight:
+    """The `MXFP4Weight` (or `MXFP4KernelWeight`, told by its scale's rank: one more than the
+    codes', uint8) holding these arrays."""
+    kernel = scale.ndim == packed.ndim + 1 and scale.dtype == jnp.uint8
+    return (MXFP4KernelWeight if kernel else MXFP4Weight)(packed, scale, row)
 
 
 def code_bytes(packed: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mx
 
 from k31jax.kernels.mxfp4_matmul import block_rows, grouped_matmul_gate_up
 from k31jax.kernels.mxfp4_matmul.pallas_mxfp4_gmm import e2m1_values
@@ -21,7 +22,7 @@ from k31jax.ops import _moe
 from k31jax.ops._moe import MXFP4Weight
 
 E, N, K = 5, 32, 64
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+E2M1 = mx.E2M1
 
 
 def weight(rng, e=E, n=N, k=K, lo=118, hi=136):
@@ -31,21 +32,11 @@ def weight(rng, e=E, n=N, k=K, lo=118, hi=136):
 
 
 def f64_weight(w):
-    """Spec decode: low nibble = even element, value = E2M1[code] · 2^(byte − 127), 0xFF = NaN."""
-    p, s = np.asarray(w.packed), np.asarray(w.scale).astype(np.float64)
-    codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
-    sc = np.where(s == 255, np.nan, np.exp2(s - 127))
-    return E2M1[codes] * np.repeat(sc, 32, axis=-1)
+    return mx.f64_weight(w.packed, w.scale)
 
 
 def f64_gmm(x, w, sizes):
-    x, wf = np.asarray(x, np.float64), f64_weight(w)
-    y = np.zeros((x.shape[0], wf.shape[1]))
-    start = 0
-    for e, n in enumerate(sizes):
-        y[start:start + n] = x[start:start + n] @ wf[e].T
-        start += n
-    return y
+    return mx.f64_gmm(x, w.packed, w.scale, sizes)
 
 
 def rel(got, want):

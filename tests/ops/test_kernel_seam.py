@@ -32,10 +32,26 @@ def test_auto_follows_the_backend(monkeypatch):
         want = "pallas" if jax.default_backend() == "gpu" and kernel in _impl.VERIFIED_ON_GPU else "xla"
         assert _impl.resolve_impl(None, kernel) == _impl.resolve_impl("auto", kernel) == want
     assert _impl.resolve_impl("interpret", "kda_chunk", supported=False) == "interpret"  # explicit: the kernel decides
-    with pytest.raises(ValueError, match=r"impl='triton': expected one of \('xla', 'pallas', 'interpret'\)"):
+    with pytest.raises(ValueError, match=r"impl='triton': expected one of \('xla', 'pallas', 'interpret', 'interpret_tpu'\)"):
         _impl.resolve_impl("triton", "kda_chunk")
     with pytest.raises(ValueError, match="kernel='flash'"):
         _impl.resolve_impl(None, "flash")
+
+
+def test_tpu_kernels_where_one_exists():
+    """"interpret_tpu", and "pallas" for a TPU target, take the Mosaic kernel where there is one
+    and the op's XLA path elsewhere; "auto" never picks an unverified TPU kernel."""
+    from k31jax.kernels import kernel_platform, target_tpu
+
+    assert _impl.TPU_KERNELS == ("mxfp4_gmm",)
+    assert _impl.resolve_impl("interpret_tpu", "mxfp4_gmm") == "interpret_tpu"
+    assert _impl.resolve_impl("interpret_tpu", "kda_chunk") == "xla"
+    with target_tpu():
+        assert kernel_platform() == "tpu"
+        assert _impl.resolve_impl("pallas", "mxfp4_gmm") == "pallas"
+        assert _impl.resolve_impl("pallas", "sparse_mla") == "xla"
+        assert _impl.resolve_impl(None, "mxfp4_gmm") == "xla"
+    assert kernel_platform() == jax.default_backend()
 
 
 def test_auto_on_gpu_takes_only_verified_kernels(on_gpu, monkeypatch):

@@ -160,3 +160,35 @@ def test_tiled_scales_hold_each_parts_bytes_in_order_and_give_them_back(lead, ou
     for j in range(splits):
         own = scale[..., j * part:(j + 1) * part]
         np.testing.assert_array_equal(tiled[..., j, :, :].view(np.uint8).reshape(own.shape), own)
+
+
+@pytest.mark.parametrize("lead,out,k,splits", [((), 24, 384, 1), ((3,), 40, 384, 2), ((2, 5), 16, 1536, 3)])
+def test_kernel_layout_round_trip_and_rows(lead, out, k, splits):
+    """`kernel_layout` (words `[.., in/8, out]`, each part's scale blocks padded to a multiple of
+    8 rows) gives the same codes and scales back through `MXFP4KernelWeight`, also at a layer
+    row, from bytes or from the words / tiled layouts; `mxfp4_weight` tells the layouts apart."""
+    from k31jax.quant import (MXFP4KernelWeight, MXFP4Weight, kernel_layout, kernel_scale_rows, mxfp4_weight,
+                              words_view)
+
+    rng = np.random.default_rng(k + out)
+    packed = jnp.asarray(rng.integers(0, 256, (*lead, 7, out, k // 2)).astype(np.uint8))
+    scale = jnp.asarray(rng.integers(0, 256, (*lead, 7, out, k // 32)).astype(np.uint8))
+    words, rows = kernel_layout(packed, scale, splits)
+    part = k // 32 // splits
+    assert words.dtype == jnp.uint32 and words.shape == (*lead, 7, k // 8, out)
+    assert rows.shape == (*lead, 7, splits, kernel_scale_rows(part), out)
+    assert not np.asarray(rows[..., part:, :]).any()  # the padding rows are zero
+    w = mxfp4_weight(words, rows)
+    assert type(w) is MXFP4KernelWeight and type(mxfp4_weight(packed, scale)) is MXFP4Weight
+    assert w.shape == (*lead, 7, out, k // 2)
+    np.testing.assert_array_equal(w.codes(), packed)
+    np.testing.assert_array_equal(w.scales(), scale)
+    if lead:
+        at = MXFP4KernelWeight(words.reshape(-1, *words.shape[-3:]), rows.reshape(-1, *rows.shape[-4:]), 1)
+        layer = at.layer()
+        assert type(layer) is MXFP4KernelWeight and at.shape == (7, out, k // 2)
+        np.testing.assert_array_equal(layer.as_bytes().packed, packed.reshape(-1, 7, out, k // 2)[1])
+        np.testing.assert_array_equal(layer.as_bytes().scale, scale.reshape(-1, 7, out, k // 32)[1])
+    # from the accelerator layout's words along `in`
+    again = kernel_layout(words_view(packed), scale, splits)
+    np.testing.assert_array_equal(again[0], words)

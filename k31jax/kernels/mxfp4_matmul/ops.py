@@ -1,5 +1,9 @@
 """The kernel path of `ops.grouped_matmul` for packed `MXFP4Weight`s (`impl` "pallas" |
-"interpret"), and the fused gate/up launch `ops.routed_experts` uses.
+"interpret" | "interpret_tpu"), and the fused gate/up launch `ops.routed_experts` uses.
+
+"pallas" is the target platform's kernel (`kernel_platform`): the Mosaic kernel
+(`mosaic_mxfp4_gmm`) for a TPU, the Triton one (`pallas_mxfp4_gmm`) otherwise; "interpret"
+runs the Triton body and "interpret_tpu" the Mosaic body (TPU semantics) on any backend.
 
 Dtype policy: activations bf16 (or f32); the E2M1 codes are decoded in-kernel to exact values
 in the activation dtype, products accumulate in fp32 and each 32-block's E8M0 scale is applied
@@ -12,14 +16,44 @@ from __future__ import annotations
 
 from jaxtyping import Array, Float, Int
 
-from ...quant import MXFP4Weight
-from .._common import pow2_at_least
+from ...quant import MXFP4KernelWeight, MXFP4Weight, kernel_layout
+from .._common import kernel_platform, pow2_at_least
+from .mosaic_mxfp4_gmm import mxfp4_gmm_tpu
 from .pallas_mxfp4_gmm import mxfp4_gmm
 
 
 def block_rows(m: int, n_groups: int) -> int:
     """Rows per tile: about the mean group size, a power of two in [16, 128]."""
     return min(128, pow2_at_least(m // max(n_groups, 1)))
+
+
+def _on_tpu(impl: str) -> bool:
+    return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
+
+
+def _tpu_pairs(weights) -> tuple[list, object]:
+    """The Mosaic kernel's (words, scale) pairs and layer row: a state held in the kernel layout
+    (one scale part) is read where it lies; any other layout is converted here, a transpose of
+    the layer in every call."""
+    if all(isinstance(w, MXFP4KernelWeight) and w.scale.shape[-3] == 1 for w in weights) and \
+            len({w.row is None for w in weights}) == 1:
+        return [(w.packed, w.scale) for w in weights], [w.row for w in weights]
+    return [kernel_layout(*w.as_bytes()[:2]) for w in weights], None
+
+
+def _launch(x_sorted, weights, group_sizes, impl: str, block_m: int, out_dtype=None, expected_rows=None):
+    """One launch of the platform's kernel over `weights` (`MXFP4Weight`s of any layout); the
+    results in `out_dtype` (default x's; the Mosaic kernel stores its f32 accumulators in it,
+    the Triton one rounds to x's dtype first). `expected_rows`: the rows expected in groups
+    (default all), for the Mosaic kernel's cost estimate."""
+    if _on_tpu(impl):
+        pairs, row = _tpu_pairs(weights)
+        return mxfp4_gmm_tpu(x_sorted, pairs, group_sizes, block_m=block_m, row=row,
+                             interpret=impl == "interpret_tpu", out_dtype=out_dtype,
+                             expected_rows=expected_rows or x_sorted.shape[0])
+    pairs = [w.as_bytes()[:2] for w in weights]
+    outs = mxfp4_gmm(x_sorted, pairs, group_sizes, impl=impl, block_m=block_m)
+    return tuple(o.astype(out_dtype or o.dtype) for o in outs)
 
 
 def _check_packed(w) -> None:
@@ -35,11 +69,14 @@ def grouped_matmul(
     *,
     impl: str = "pallas",
     block_m: int | None = None,
+    out_dtype=None,
+    expected_rows: int | None = None,
 ) -> Float[Array, "M out"]:
-    """The kernel path of `ops.grouped_matmul` (packed `MXFP4Weight` only)."""
+    """The kernel path of `ops.grouped_matmul` (packed `MXFP4Weight` only); `out_dtype`: the
+    result's (default x's); `expected_rows`: see `_launch`."""
     _check_packed(w)
     bm = block_m or block_rows(x_sorted.shape[0], group_sizes.shape[0])
-    (y,) = mxfp4_gmm(x_sorted, [(w.packed, w.scale)], group_sizes, impl=impl, block_m=bm)
+    (y,) = _launch(x_sorted, [w], group_sizes, impl, bm, out_dtype, expected_rows)
     return y
 
 
@@ -51,11 +88,11 @@ def grouped_matmul_gate_up(
     *,
     impl: str = "pallas",
     block_m: int | None = None,
+    expected_rows: int | None = None,
 ) -> tuple[Float[Array, "M out"], Float[Array, "M out"]]:
     """Gate and up projections of the same sorted rows in one launch (one activation read)."""
     _check_packed(w_gate)
     _check_packed(w_up)
     bm = block_m or block_rows(x_sorted.shape[0], group_sizes.shape[0])
-    g, u = mxfp4_gmm(x_sorted, [(w_gate.packed, w_gate.scale), (w_up.packed, w_up.scale)],
-                     group_sizes, impl=impl, block_m=bm)
+    g, u = _launch(x_sorted, [w_gate, w_up], group_sizes, impl, bm, expected_rows=expected_rows)
     return g, u

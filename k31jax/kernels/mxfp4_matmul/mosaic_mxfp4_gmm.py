@@ -1,0 +1,252 @@
+"""Pallas TPU (Mosaic) grouped expert matmul with packed MXFP4 weights decoded in VMEM.
+
+`y_m = W_{e(m)} x_m` for rows sorted by expert (mx_formats.md §1.3, §3-§5), megablox-style:
+the tile schedule (row block, expert) is scalar-prefetched, so each grid step's BlockSpec
+index map DMAs that tile's expert only; an expert nobody chose is never read.
+
+The weights come in the kernel layout (`quant.MXFP4KernelWeight`, `quant.kernel_layout`):
+codes as uint32 words `[(L,) E, K/8, N]` (word r of column n holds elements 8r..8r+7 of that
+column's input, element 8r + p in nibble p: the released bytes, little-endian) and E8M0 scale
+bytes `[(L,) E, 1, B, N]` (one part: B = K/32 rounded up to a multiple of 8; the extra rows
+are never read). Output columns are the minor axis of both, so XLA:TPU keeps its default
+layout for them and hands the stacks to the kernel as they are: with `[E, N, K/8]` words
+(K/8 = 448 at K3.1 Pro) it stores N minor and would copy the whole stack into the kernel's
+order on every call, and a 12-row scale axis it moves outside the experts (mx_formats.md §3.1). A layer stack is read in place: the layer is one more scalar-prefetched
+index, never a sliced copy of the layer's experts.
+
+In VMEM, per tile and weight:
+- the words are split into their eight nibble planes `[K/8, BN]` (plane p holds elements
+  8r + p), and the columns of x were permuted outside to the same order (`x_planes`:
+  `[8, M, K/8]`), so `x · W = Σ_p x_p · W_p` needs no interleaving of the codes;
+- element 8r + p lies in scale block (8r + p) // 32 = r // 4 for every p, so all planes share
+  one per-word scale. The `[B, BN]` scale bytes are widened to `[K/8, BN]` by a matmul with
+  a 0/1 matrix (exact: bytes are integers below 256, one term per sum), because a repeat
+  along sublanes by 4 is not a Mosaic operation;
+- each plane is decoded to its exact E2M1 values (bit construction, `e2m1_values`) times
+  2^(byte − 127) in f32 (0xFF → NaN), cast to x's dtype: the dequantise-then-matmul weight of
+  the XLA path, never written to HBM; the MXU multiplies bf16 (or f32) and accumulates f32.
+
+Grid: (N / BN, tiles). The tiles of one row block are consecutive, so its output block stays
+in VMEM across them and each tile writes only its expert's rows (the first tile of a block
+writes zeros elsewhere: rows outside every group are 0, as in `lax.ragged_dot`). Every row
+block has at least one tile. Unused tiles repeat the last used tile's block indices, so they
+move no data, and do no work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...quant import E8M0_NAN, kernel_scale_rows
+from .pallas_mxfp4_gmm import e2m1_values
+
+F32 = jnp.float32
+PLANES = 8  # E2M1 codes per uint32 word
+
+
+def tpu_tile_schedule(group_sizes, m_rows: int, block_m: int):
+    """Per tile (int32 `[n_tiles]` each): expert, row block, first row, end row, and whether it
+    is the first tile of its row block (it zero-fills the block's other rows).
+
+    Tiles are (row block, expert) pairs that intersect, in row order, then one empty tile per
+    row block past the last group (padding rows), then unused tiles, which repeat the last
+    used tile's expert and block with an empty row range. `n_tiles = cdiv(M, BM) + min(E, M)
+    - 1` is a static bound: each non-empty group after the first adds at most one tile.
+    """
+    e = group_sizes.shape[0]
+    n_blocks = -(-m_rows // block_m)
+    n_tiles = max(n_blocks + min(e, m_rows) - 1, 1)
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    total = ends[-1]
+    first = starts // block_m
+    last = jnp.maximum(ends - 1, 0) // block_m
+    count = jnp.where(gs > 0, last - first + 1, 0)
+    t_end = jnp.cumsum(count)
+    t_start = t_end - count
+    n_real = t_end[-1]
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(t_end, t, side="right"), e - 1).astype(jnp.int32)
+    blk = first[grp] + t - t_start[grp]
+    lo = jnp.maximum(starts[grp], blk * block_m)
+    hi = jnp.minimum(ends[grp], (blk + 1) * block_m)
+    # row blocks no group reaches (rows past the last group): one empty tile each
+    filled = -(-total // block_m)
+    n_used = n_real + n_blocks - filled
+    empty_blk = filled + t - n_real
+    real = t < n_real
+    used = t < n_used
+    last_grp = jnp.where(n_real > 0, grp[jnp.maximum(n_real - 1, 0)], 0)
+    grp = jnp.where(real, grp, last_grp)
+    blk = jnp.where(real, blk, empty_blk)
+    last_used = jnp.maximum(n_used - 1, 0)
+    blk = jnp.where(used, blk, blk[last_used])
+    lo = jnp.where(real, lo, 0)
+    hi = jnp.where(real, hi, 0)
+    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), blk[:-1]])
+    fresh = (used & (blk != prev)).astype(jnp.int32)
+    return grp, blk.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), fresh
+
+
+def x_planes(x, m_pad: int):
+    """x `[M, K]` as `[8, M_pad, K/8]`: plane p holds columns 8r + p (zero rows appended)."""
+    m, k = x.shape
+    xp = x.reshape(m, k // PLANES, PLANES).transpose(2, 0, 1)
+    return jnp.pad(xp, [(0, 0), (0, m_pad - m), (0, 0)]) if m_pad != m else xp
+
+
+def word_scales(scale_bytes, k8: int):
+    """E8M0 bytes `[B, BN]` -> f32 factors `[K/8, BN]` (word r takes block r // 4):
+    2^(byte − 127), 0xFF -> NaN. The widening is a 0/1 matmul, exact for byte values."""
+    blocks = scale_bytes.shape[0]
+    word = jax.lax.broadcasted_iota(jnp.int32, (k8, blocks), 0)
+    block = jax.lax.broadcasted_iota(jnp.int32, (k8, blocks), 1)
+    spread = ((word >> 2) == block).astype(jnp.bfloat16)
+    b = jnp.dot(spread, scale_bytes.astype(jnp.int32).astype(F32).astype(jnp.bfloat16),
+                preferred_element_type=F32).astype(jnp.int32)
+    factor = jax.lax.bitcast_convert_type(b << 23, F32)  # 2^(b - 127); byte 0 -> 0 (an f32 subnormal, flushed)
+    return jnp.where(b == E8M0_NAN, jnp.float32(jnp.nan), factor)
+
+
+def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, n_w: int, block_m: int):
+    del row_ref, grp_ref  # used by the index maps
+    w_refs, out_refs = refs[:2 * n_w], refs[2 * n_w:]
+    t = pl.program_id(1)
+    lo, hi = lo_ref[t], hi_ref[t]
+    rows = blk_ref[t] * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+    mine = (rows >= lo) & (rows < hi)
+    dt = x_ref.dtype
+    prec = jax.lax.Precision.HIGHEST if dt == F32 else jax.lax.Precision.DEFAULT
+
+    @pl.when(fresh_ref[t] == 1)
+    def _():
+        for o_ref in out_refs:
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(hi > lo)
+    def _():
+        for i in range(n_w):
+            words = pltpu.bitcast(w_refs[2 * i][...], jnp.int32)  # [K/8, BN]
+            factor = word_scales(w_refs[2 * i + 1][...], words.shape[0])
+            acc = None
+            for p in range(PLANES):
+                w_p = (e2m1_values((words >> (4 * p)) & 0xF, F32) * factor).astype(dt)
+                part = jnp.dot(x_ref[p], w_p, precision=prec, preferred_element_type=F32)
+                acc = part if acc is None else acc + part
+            o_ref = out_refs[i]
+            o_ref[...] = jnp.where(mine, acc.astype(o_ref.dtype), o_ref[...])
+
+
+def pick_block_n(n: int) -> int:
+    """Output columns per tile: all of N up to 1,024 (x's row block is read once per column
+    block), else the largest of 512, 256, 128 dividing N, else all of N."""
+    if n <= 1024:
+        return n
+    return next((b for b in (512, 256, 128) if n % b == 0), n)
+
+
+def cost_estimate(m_pad: int, k: int, n: int, n_experts: int, n_w: int, itemsize: int, block_m: int,
+                  block_n: int, out_itemsize: int | None = None, rows: int | None = None) -> pl.CostEstimate:
+    """What the grid's DMAs move and the MXU does, from the BlockSpecs. A block is fetched when
+    its index differs from the previous grid step's, so per column block: x's `[8, BM, K/8]`
+    blocks once per row block (a row block's tiles are consecutive), each reached expert's words
+    `[K/8, BN]` and scale rows `[B, BN]` once (an expert's tiles are consecutive), every output
+    block written once; products (the 0/1 scale widening with them) on tiles that hold rows.
+
+    The experts reached depend on the routing: without `rows`, the bound min(E, M); with `rows`
+    (the rows expected in groups, e.g. a device's mean share of the assignments under expert
+    parallelism), their expected number under uniform routing, E (1 - (1 - 1/E)^rows), the
+    expectation `k31jax.aot` counts the XLA paths' selected experts with."""
+    if rows is None:
+        experts, busy = min(n_experts, m_pad), m_pad
+    else:
+        experts, busy = n_experts * (1 - (1 - 1 / n_experts) ** rows), min(rows, m_pad)
+    weight_bytes = n_w * experts * n * (k // 2 + kernel_scale_rows(k // 32))
+    x_bytes = (n // block_n) * m_pad * k * itemsize
+    out_bytes = n_w * m_pad * n * (out_itemsize or itemsize)
+    tiles = -(-busy // block_m) + experts
+    products = 2 * block_m * k * block_n + 2 * (k // 8) * kernel_scale_rows(k // 32) * block_n
+    flops = n_w * (n // block_n) * tiles * products
+    return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(weight_bytes + x_bytes + out_bytes))
+
+
+def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret: bool = False,
+                  block_n: int | None = None, out_dtype=None, expected_rows: int | None = None):
+    """x `[M, K]` sorted by expert; weights: a sequence of kernel-layout pairs (`quant.kernel_layout`
+    in one part: uint32 words `[(L,) E, K/8, N]`, scale bytes `[(L,) E, 1, B, N]`) sharing their
+    shapes (a leading L when `row`, the layer, is given: one for all weights, or one per
+    weight); group_sizes `[E]`. Returns one `[M, N]` array
+    per weight, in `out_dtype` (default x's: the f32 accumulators are rounded once, at the
+    store). `interpret`: run the body with TPU semantics on any backend (`pltpu.InterpretParams`).
+    `expected_rows`: for the cost estimate only (`cost_estimate(rows=)`)."""
+    m, k = x.shape
+    words0 = weights[0][0]
+    stacked = row is not None
+    *lead, e, k8, n = words0.shape
+    if len(lead) != int(stacked):
+        raise ValueError(f"mxfp4 TPU grouped matmul: words {tuple(words0.shape)} need "
+                         f"{'a layer axis (row given)' if stacked else 'no layer axis (no row)'}")
+    if k8 * PLANES != k:
+        raise ValueError(f"mxfp4 TPU grouped matmul: x has {k} columns, the words hold {k8 * PLANES}")
+    want_scale = (*lead, e, 1, kernel_scale_rows(k // 32), n)
+    for words, scale in weights:
+        if words.dtype != jnp.uint32 or tuple(words.shape) != tuple(words0.shape):
+            raise ValueError(f"mxfp4 TPU grouped matmul: expected uint32 words {tuple(words0.shape)}, got "
+                             f"{words.dtype}{list(words.shape)}")
+        if scale.dtype != jnp.uint8 or tuple(scale.shape) != want_scale:
+            raise ValueError(f"mxfp4 TPU grouped matmul: expected uint8 scale rows {want_scale} (one part), "
+                             f"got {scale.dtype}{list(scale.shape)}")
+    bn = block_n or pick_block_n(n)
+    m_pad = -(-m // block_m) * block_m
+    grp, blk, lo, hi, fresh = tpu_tile_schedule(group_sizes, m, block_m)
+    n_tiles = grp.shape[0]
+    rows = row if isinstance(row, (list, tuple)) else [row] * len(weights)
+    if len(rows) != len(weights):
+        raise ValueError(f"mxfp4 TPU grouped matmul: {len(rows)} rows for {len(weights)} weights")
+    layer = jnp.stack([jnp.asarray(0 if r is None else r, jnp.int32).reshape(()) for r in rows])
+
+    def x_map(nb, t, row_r, grp_r, blk_r, *_):
+        return (0, blk_r[t], 0)
+
+    def w_map(i):
+        def index(nb, t, row_r, grp_r, *_):
+            return (row_r[i], grp_r[t], 0, nb) if stacked else (grp_r[t], 0, nb)
+        return index
+
+    def s_map(i):
+        def index(nb, t, row_r, grp_r, *_):
+            return (row_r[i], grp_r[t], 0, 0, nb) if stacked else (grp_r[t], 0, 0, nb)
+        return index
+
+    def out_map(nb, t, row_r, grp_r, blk_r, *_):
+        return (blk_r[t], nb)
+
+    squeezed = (None, None) if stacked else (None,)
+    w_specs = []
+    for i in range(len(weights)):
+        w_specs += [pl.BlockSpec((*squeezed, k8, bn), w_map(i)),
+                    pl.BlockSpec((*squeezed, None, kernel_scale_rows(k // 32), bn), s_map(i))]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(n // bn, n_tiles),
+        in_specs=[pl.BlockSpec((PLANES, block_m, k8), x_map), *w_specs],
+        out_specs=[pl.BlockSpec((block_m, bn), out_map) for _ in weights],
+    )
+    fn = pl.pallas_call(
+        functools.partial(_kernel, n_w=len(weights), block_m=block_m),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((m_pad, n), out_dtype or x.dtype) for _ in weights],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        cost_estimate=cost_estimate(m_pad, k, n, e, len(weights), x.dtype.itemsize, block_m, bn,
+                                    jnp.dtype(out_dtype or x.dtype).itemsize, expected_rows),
+        name="mxfp4_gmm_tpu",
+    )
+    outs = fn(layer, grp, blk, lo, hi, fresh, x_planes(x, m_pad), *[a for pair in weights for a in pair])
+    return tuple(o[:m] for o in outs)
