@@ -17,6 +17,6 @@ padding, launch, unpadding; `impl` is "pallas" or "interpret"). This layer sits 
 """
 
 from . import kda_chunk, mxfp4_matmul, sparse_mla
-from ._common import kernel_platform, lowering_only, target_tpu
+from ._common import kernel_platform, lowering_only, runs_mosaic, target_tpu
 
-__all__ = ["kda_chunk", "kernel_platform", "lowering_only", "mxfp4_matmul", "sparse_mla", "target_tpu"]
+__all__ = ["kda_chunk", "kernel_platform", "lowering_only", "mxfp4_matmul", "runs_mosaic", "sparse_mla", "target_tpu"]

@@ -42,6 +42,12 @@ def kernel_platform() -> str:
     return _TARGET.get() or jax.default_backend()
 
 
+def runs_mosaic(impl: str) -> bool:
+    """Whether kernel implementation `impl` means the Pallas TPU (Mosaic) kernel: "interpret_tpu",
+    or "pallas" when the kernels are built for a TPU."""
+    return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
+
+
 @contextlib.contextmanager
 def target_tpu():
     """Build kernels for a TPU inside this context ("pallas" picks the Mosaic kernels), as

@@ -47,7 +47,7 @@ from typing import Literal
 
 import jax
 
-from ..kernels import kernel_platform, lowering_only
+from ..kernels import lowering_only, runs_mosaic
 
 Impl = Literal["xla", "pallas", "interpret", "interpret_tpu"]  # a resolved choice of the kernel seam
 ImplChoice = Literal["auto", "xla", "pallas", "interpret", "interpret_tpu"]  # what callers pass ("auto" / None resolve)
@@ -133,8 +133,7 @@ def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True
         return "pallas" if gpu and supported and kernel in VERIFIED_ON_GPU and _per_device() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
-    tpu = impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
-    if tpu and kernel not in TPU_KERNELS:
+    if runs_mosaic(impl) and kernel not in TPU_KERNELS:
         return "xla"
     return impl
 
@@ -142,8 +141,7 @@ def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True
 def tpu_kernel_layout(backends: Backends) -> bool:
     """Whether packed routed experts run the Pallas TPU grouped matmul under `backends` (so a
     program's state holds them in its layout, `nn.expert_words(kernel=True)`)."""
-    impl = resolve_impl(backends.kernels, "mxfp4_gmm")
-    return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
+    return runs_mosaic(resolve_impl(backends.kernels, "mxfp4_gmm"))
 
 
 def with_reference_grad(kernel, reference):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from jaxtyping import Array, Float, Int
 
 from ...quant import MXFP4KernelWeight, MXFP4Weight, kernel_layout
-from .._common import kernel_platform, pow2_at_least
+from .._common import pow2_at_least, runs_mosaic
 from .mosaic_mxfp4_gmm import mxfp4_gmm_tpu
 from .pallas_mxfp4_gmm import mxfp4_gmm
 
@@ -25,10 +25,6 @@ from .pallas_mxfp4_gmm import mxfp4_gmm
 def block_rows(m: int, n_groups: int) -> int:
     """Rows per tile: about the mean group size, a power of two in [16, 128]."""
     return min(128, pow2_at_least(m // max(n_groups, 1)))
-
-
-def _on_tpu(impl: str) -> bool:
-    return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
 
 
 def _tpu_pairs(weights) -> tuple[list, object]:
@@ -46,7 +42,7 @@ def _launch(x_sorted, weights, group_sizes, impl: str, block_m: int, out_dtype=N
     results in `out_dtype` (default x's; the Mosaic kernel stores its f32 accumulators in it,
     the Triton one rounds to x's dtype first). `expected_rows`: the rows expected in groups
     (default all), for the Mosaic kernel's cost estimate."""
-    if _on_tpu(impl):
+    if runs_mosaic(impl):
         pairs, row = _tpu_pairs(weights)
         return mxfp4_gmm_tpu(x_sorted, pairs, group_sizes, block_m=block_m, row=row,
                              interpret=impl == "interpret_tpu", out_dtype=out_dtype,
