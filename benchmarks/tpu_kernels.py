@@ -8,6 +8,10 @@ buffer of the expert exchange, 8 peers x 16 assignments) and 4,096 for a prefill
 tokens, 16 assignments each, over 8 expert shards). The compiler is deterministic: one compile
 per case; only the compile times depend on the host. Needs the `tpu` extra (libtpu).
 
+The KDA decode step of one layer, as one device of `expert=8,tensor=8` holds it at batch 8: one
+row (the batch is split over `expert`) or all 8, of 96/8 = 12 heads with a 128 x 128 fp32 state
+each, updated in place (donated), beside the XLA path (`ops.kda_recurrent`).
+
 Then the whole K3.1 Pro decode step (batch 8, 4,096 tokens of context) and a 2,048-token prefill
 chunk on `v5p:4x4x4` with `expert=8,tensor=8`, compiled with the kernels off (the XLA paths the
 engine runs) and on (`k31jax compile --kernels pallas`: the experts held in the kernel's layout).
@@ -35,8 +39,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from k31jax import ModelConfig, aot  # noqa: E402
+from k31jax.kernels import target_tpu  # noqa: E402
 from k31jax.kernels.mxfp4_matmul import mosaic_mxfp4_gmm as mm  # noqa: E402
-from k31jax.ops import Backends, grouped_matmul  # noqa: E402
+from k31jax.ops import Backends, grouped_matmul, kda_recurrent  # noqa: E402
 from k31jax.quant import MXFP4Weight, kernel_scale_rows  # noqa: E402
 
 MB = 1e6
@@ -80,6 +85,26 @@ def compile_case(topology: str, side: str, n_w: int, n: int, k: int, m: int, exp
     return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
 
 
+def compile_kda(topology: str, side: str, b: int, h: int, dk: int, dv: int):
+    """(compile s, the compiler's temporaries, `aot.analyse`) of one token of the KDA recurrence
+    over b rows x h heads, the state donated: "kernel" is `impl="pallas"` built for a TPU (the
+    Mosaic step), "xla" the op's XLA path."""
+    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
+    rep = NamedSharding(mesh, P())
+
+    def spec(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)
+
+    impl = "pallas" if side == "kernel" else "xla"
+    args = (spec(b, 1, h, dk), spec(b, 1, h, dk), spec(b, 1, h, dv), spec(b, 1, h, dk), spec(b, 1, h),
+            spec(b, h, dk, dv))
+    t0 = time.perf_counter()
+    with target_tpu():
+        compiled = jax.jit(lambda *a: kda_recurrent(*a, impl=impl), donate_argnums=5).lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", action="append", choices=TOPOLOGIES, help="only these (repeatable)")
@@ -112,6 +137,24 @@ def main() -> None:
                                + (" (its BlockSpec estimate at the expected experts)" if side == "kernel" else ""))
                 print("\n".join(row), flush=True)
                 lines += row
+    h, dk, dv = cfg.kda_num_heads // TENSOR, cfg.kda_head_dim, cfg.kda_head_dim
+    for topology in args.topology or TOPOLOGIES:
+        for b in (1, 8):
+            state = b * h * dk * dv * 4
+            row = [f"[{topology} kda decode step] {b} row(s) x {h} heads, state {dk} x {dv} fp32: "
+                   f"{state / MB:.2f} MB read and written"]
+            for side in ("kernel", "xla"):
+                try:
+                    sec, temp, hlo = compile_kda(topology, side, b, h, dk, dv)
+                except Exception as exc:  # noqa: BLE001 - report what the compiler said
+                    row.append(f"  {side:<6} does not compile: {str(exc).splitlines()[0][:200]}")
+                    continue
+                row.append(f"  {side:<6} compile {sec:5.1f} s, temporaries {temp / MB:6.2f} MB, HBM bytes "
+                           f"{hlo.hbm_bytes / MB:6.2f} MB ({hlo.hbm_bytes / (2 * state):.2f}x the state's), "
+                           f"{hlo.flops / 1e6:6.1f} MFLOP"
+                           + (" (its BlockSpec estimate)" if side == "kernel" else ""))
+            print("\n".join(row), flush=True)
+            lines += row
     for name in () if args.no_steps else ("decode-4k", "prefill-2k"):
         step, topology, mesh, batch, context, chunk = CASES[name]
         for kernels in ("xla", "pallas"):

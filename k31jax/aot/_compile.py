@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ..config import ModelConfig
 from ..distributed import DEVICES, abstract_cache, abstract_state, cache_shardings, plan_memory, plan_training
 from ..generate import abstract_decode_inputs, engine_program
-from ..nn import expert_words
+from ..nn import expert_words, out_major_projections
 from ..kernels import target_tpu
 from ..ops import Backends, tpu_kernel_layout
 from ..sharding import activate, get_rules, logical_to_spec, parse_mesh, rules_for_mesh, rules_name, shard_factor
@@ -303,7 +303,7 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
                               dump)
     graphdef, state = abstract_state(cfg, m, rules)
     with target_tpu():  # the layout the engine runs on a TPU: the kernel's when it runs the Pallas TPU one
-        state = expert_words(state, kernel=tpu_kernel_layout(backends))
+        state = out_major_projections(expert_words(state, kernel=tpu_kernel_layout(backends)))
     cache = abstract_cache(cfg, batch, context)
     cache = _placed(cache, cache_shardings(cache, m, rules))
     program = engine_program(step)

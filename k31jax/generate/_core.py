@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ..chat import ThinkingBudget
-from ..nn import LAYER_STACKS, ROUTED_EXPERTS, Cache, expert_words, unstack_layers
+from ..nn import LAYER_STACKS, ROUTED_EXPERTS, Cache, expert_words, out_major_projections, unstack_layers
 from ..ops import Backends, tpu_kernel_layout
 from ..vision import ImagePrompts
 from ._images import check_image_request, chunk_splice, media_pad_id, packed_request_images
@@ -97,6 +97,8 @@ class GenerationCore:
             self.state = expert_words(self.state, kernel=True)
         elif jax.default_backend() != "cpu":  # see `expert_words`; XLA:CPU runs the byte form faster
             self.state = expert_words(self.state)
+        if not layer_rows and jax.default_backend() == "tpu":  # the layout XLA:TPU's decode reads them in
+            self.state = out_major_projections(self.state)
         if stop_ids is not None:
             self.stop_ids = frozenset(stop_ids)
         elif tokenizer is not None:

@@ -1,7 +1,8 @@
 """Pallas kernels for the hot paths, reached through the ops' one `impl=` seam
 (`k31jax.ops.resolve_impl`; the ops give each kernel its XLA path's gradient). Pallas-Triton
 (GPU) for all of them; Pallas TPU (Mosaic) so far for the MXFP4 grouped matmul
-(`mxfp4_matmul.mosaic_mxfp4_gmm`), which "pallas" picks for a TPU (`kernel_platform`).
+(`mxfp4_matmul.mosaic_mxfp4_gmm`) and the KDA decode step (`kda_chunk.mosaic_kda`), which
+"pallas" picks for a TPU (`kernel_platform`).
 
 - `kda_chunk`: KDA chunked forward (intra-chunk UT solve + inter-chunk state pass) and the
   fused single-token decode step (kernel paths of `ops.kda_chunked`, `ops.kda_recurrent`);
@@ -11,8 +12,9 @@
 - `mxfp4_matmul`: grouped expert matmul with packed MXFP4 weights dequantised in-kernel
   (down, and fused gate/up) (`ops.grouped_matmul`, `ops.routed_experts`).
 
-Each package has `pallas_*.py` (the kernels) and `ops.py` (the kernel path of the op:
-padding, launch, unpadding; `impl` is "pallas" or "interpret"). This layer sits below
+Each package has `pallas_*.py` (the Triton kernels), `mosaic_*.py` where a TPU kernel exists,
+and `ops.py` (the kernel path of the op: padding, launch, unpadding; `impl` is "pallas",
+"interpret" or "interpret_tpu"). This layer sits below
 `k31jax.ops` and never imports it: the XLA paths the kernels are tested against are the ops.
 """
 

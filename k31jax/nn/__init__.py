@@ -8,16 +8,18 @@ from ._cache import CACHE_AXES, Cache, KDALayerCache, MLALayerCache, constrain_c
 from ._experts_format import dequantize_experts, quantize_experts
 from ._ffn import DenseMLP, LatentMoE, MoEOutput, PackedExperts, Routing
 from ._kda_layer import KDAMixer
-from ._layer_stack import LAYER_STACKS, REMAT_POLICIES, ROUTED_EXPERTS, expert_words, unstack_layers
+from ._layer_stack import (LAYER_STACKS, OUT_MAJOR_PROJECTIONS, REMAT_POLICIES, ROUTED_EXPERTS, expert_words,
+                           out_major_projections, unstack_layers)
 from ._mla_layer import Indexer, MLAMixer
 from ._model import INTERMEDIATES, HiddenOutput, K31ForCausalLM, LayerNorms, ModelOutput, abstract_model
-from ._param import constant, normal, param
+from ._param import OutMajor, constant, normal, param
 from ._sizes import ParamCount, count_params
 
 __all__ = [
-    "CACHE_AXES", "INTERMEDIATES", "LAYER_STACKS", "REMAT_POLICIES", "ROUTED_EXPERTS", "Cache", "DenseMLP", "HiddenOutput", "Indexer",
+    "CACHE_AXES", "INTERMEDIATES", "LAYER_STACKS", "OUT_MAJOR_PROJECTIONS", "OutMajor", "REMAT_POLICIES",
+    "ROUTED_EXPERTS", "Cache", "DenseMLP", "HiddenOutput", "Indexer",
     "K31ForCausalLM", "KDALayerCache", "KDAMixer", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
     "ModelOutput", "MoEOutput", "PackedExperts", "ParamCount", "Routing", "abstract_model", "constant",
-    "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "kpe_width", "normal", "param",
-    "quantize_experts", "unstack_layers",
+    "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "kpe_width", "normal",
+    "out_major_projections", "param", "quantize_experts", "unstack_layers",
 ]

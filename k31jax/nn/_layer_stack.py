@@ -30,11 +30,17 @@ from jaxtyping import Array, Int
 
 from ..config import ModelConfig
 from ..quant import kernel_layout, scale_tiles, tile_scales, words_view
+from ._param import OutMajor
 
 LAYER_STACKS = ("norms", "kda", "mla", "dense", "moe")
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")
 REMAT_POLICIES = ("none", "full", "dots")
 MAX_PERIOD = 12
+# the projections whose output a decode step splits into heads and reads head by head: the TPU
+# compiler wants their stacks `out`-major and, given them `in`-major, copied each whole stack in
+# every decode call (`out_major_projections`). KDA `g_proj` (the output gate) only where the
+# decode step runs the Pallas TPU KDA kernel; the XLA programs read it either way at one cost.
+OUT_MAJOR_PROJECTIONS = {"mla": ("q_b_proj", "kv_b_proj"), "kda": ("f_b_proj", "g_proj")}
 
 
 def stack_layers(n: int, make, rngs: nnx.Rngs):
@@ -357,6 +363,47 @@ def expert_words(state: nnx.State, kernel: bool = False) -> nnx.State:
                 w["scale"] = w["scale"].replace(tiled)
             moe[name] = w
     return nnx.State({**state, "moe": nnx.State(moe)})
+
+
+def out_major_projections(state: nnx.State) -> nnx.State:
+    """The model state with the stacks of `OUT_MAJOR_PROJECTIONS` held transposed
+    (`OutMajor`: `[n, out, in]`), the layout XLA:TPU's decode step reads them in.
+
+    XLA:TPU picks a program argument's layout by its shape alone. The decode step splits these
+    projections' outputs into heads and reads them per head, for which the compiler wants the
+    weight `out`-major; handed the `[n, in, out]` stack, it made a transposed copy of every such
+    stack in every decode call (at K3.1 Pro scale `q_b_proj` `bf16[24,1536,2304]`, `kv_b_proj`
+    and KDA `f_b_proj`: 0.29 GB per chip; with the Pallas TPU KDA decode step, KDA `g_proj`,
+    1.52 GB). The prefill chunk reads them either way at the same cost (benchmarks/RESULTS.md
+    "compile"). Leaves may be arrays or ShapeDtypeStructs; the
+    sharding moves with the axes. Stacks already split into rows (`unstack_layers`) are left as
+    they are. The numbers do not change: the layer reads the same matrix. The Param's logical
+    axis names still name the `[in, out]` matrix: place or shard the state before this, not
+    after."""
+    def transposed(a):
+        if isinstance(a, OutMajor) or a.ndim < 2:
+            return a
+        sharding = getattr(a, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+            sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                                  jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return OutMajor(jax.ShapeDtypeStruct(a.shape[:-2] + a.shape[:-3:-1], a.dtype, sharding=sharding))
+        swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+        return OutMajor(jax.jit(swap, out_shardings=sharding)(a) if sharding is not None else swap(a))
+
+    out = dict(state)
+    for stack, names in OUT_MAJOR_PROJECTIONS.items():
+        if stack not in state:
+            continue
+        sub = dict(state[stack])
+        for name in names:
+            var = sub.get(name)
+            if isinstance(var, nnx.Variable) and not _is_rows(var.get_value()):
+                sub[name] = var.replace(transposed(var.get_value()))
+        out[stack] = nnx.State(sub)
+    return nnx.State(out)
 
 
 def _kernel_layout(packed, scale):

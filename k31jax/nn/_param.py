@@ -1,6 +1,7 @@
 """Parameter creation with logical axis names (the rules that map them to a mesh live in
 `k31jax.sharding`)."""
 
+import dataclasses
 import math
 
 import jax
@@ -48,3 +49,22 @@ def dt_bias_init(rngs: nnx.Rngs, shape, axes) -> nnx.Param:
     u = jax.random.uniform(rngs.params(), shape, jnp.float32, math.log(1e-3), math.log(1e-1))
     dt = jnp.maximum(jnp.exp(u), 1e-4)
     return param(dt + jnp.log(-jnp.expm1(-dt)), axes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutMajor:
+    """A projection `[..., in, out]` held as its transpose `t` `[..., out, in]`, the value of its
+    `nnx.Param` in an inference layout (`nn.out_major_projections`).
+
+    Reading it as the layer does (`param[...]`) gives the `[..., in, out]` matrix as a transpose
+    of `t`, which XLA folds into the matmul that reads it: no copy is made. Slicing a stack's
+    row (`jax.tree.map`) slices `t`.
+    """
+
+    t: jax.Array
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise TypeError(f"OutMajor: read the whole matrix with [...], got index {index!r}")
+        return jnp.swapaxes(self.t, -1, -2)

@@ -14,7 +14,9 @@ or None / "auto".
   mesh axis larger than one); else "xla". No kernel has run on a GPU yet, so "auto" is XLA
   everywhere and the kernels are opt-in ("pallas"). Under an automatically partitioned mesh the
   XLA path stays: XLA partitions it, while a kernel is a per-device program whose inputs the
-  partitioner would have to gather.
+  partitioner would have to gather. An op whose kernel works on independent slices says which
+  (`per_device`: the KDA decode step, per row and head), and an opted-in kernel then runs
+  under `shard_map` on each device's slice.
 
 The model and the engine take the whole choice as one frozen `Backends` object; its
 `kernels` field defaults to the environment variable `K31JAX_KERNELS` (one of the names
@@ -48,6 +50,7 @@ from typing import Literal
 import jax
 
 from ..kernels import lowering_only, runs_mosaic
+from ..sharding import current_rules, logical_to_spec
 
 Impl = Literal["xla", "pallas", "interpret", "interpret_tpu"]  # a resolved choice of the kernel seam
 ImplChoice = Literal["auto", "xla", "pallas", "interpret", "interpret_tpu"]  # what callers pass ("auto" / None resolve)
@@ -63,7 +66,7 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
 # kernels with a Pallas TPU (Mosaic) version; none has run on a TPU, so "auto" never picks them
-TPU_KERNELS = ("mxfp4_gmm",)
+TPU_KERNELS = ("mxfp4_gmm", "kda_step")
 
 
 def _kernels_from_env() -> ImplChoice:
@@ -190,6 +193,29 @@ def _kernel_compiles(name: str, kernel, args: tuple) -> bool:
                               f"(jax {jax.__version__}): {type(e).__name__}: {first}; running its XLA path "
                               "instead", RuntimeWarning, stacklevel=3)
     return _COMPILES[key]
+
+
+def per_device(fn, in_axes: tuple, out_axes: tuple):
+    """`fn` (a kernel path, arrays in and out) run on each device's slice of its arguments
+    under the active automatically partitioned mesh (`shard_map`), each argument and result
+    split by its logical axis names (`sharding.logical_to_spec`; an axis that does not divide
+    is left whole); `fn` itself where nothing is partitioned. For kernels whose work is
+    independent along the split axes, so the partitioner never gathers their inputs."""
+    if _per_device():
+        return fn
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(mesh.shape)
+    rules = current_rules(shape)
+
+    def specs(axes, arrays):
+        return tuple(logical_to_spec(names, a.shape, shape, rules) for names, a in zip(axes, arrays))
+
+    def run(*args):
+        outs = jax.eval_shape(fn, *args)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs(in_axes, args), out_specs=specs(out_axes, outs),
+                             check_vma=False)(*args)
+
+    return run
 
 
 def kernel_or_reference(name: str, impl: Impl, kernel, reference, *, grad: bool = True):

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import kda_chunk
-from ._impl import ImplChoice, kernel_or_reference, resolve_impl
+from ._impl import ImplChoice, kernel_or_reference, per_device, resolve_impl
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -143,8 +143,14 @@ def kda_recurrent(
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":
-        return kernel_or_reference("kda_step", impl, functools.partial(kda_chunk.kda_recurrent, impl=impl),
-                                   functools.partial(kda_recurrent, impl="xla"))(q, k, v, g, beta, initial_state)
+        if initial_state is None:
+            initial_state = _zero_state(q.shape[0], q.shape[2], q.shape[3], v.shape[-1])
+        step = kernel_or_reference("kda_step", impl, functools.partial(kda_chunk.kda_recurrent, impl=impl),
+                                   functools.partial(kda_recurrent, impl="xla"))
+        # every (row, head) is its own recurrence: under a mesh, each device runs its slice
+        tokens, state = ("batch", "seq", "act_heads", None), ("batch", "act_heads", None, None)
+        return per_device(step, (tokens,) * 4 + (("batch", "seq", "act_heads"), state),
+                          (tokens, state))(q, k, v, g, beta, initial_state)
     b, _, h, dk = q.shape
     dv = v.shape[-1]
     state = _zero_state(b, h, dk, dv) if initial_state is None else initial_state

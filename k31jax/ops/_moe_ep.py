@@ -234,10 +234,12 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     def qin(a):
         return mx_fake_quant_activations(a, "e4m3", "rceil").astype(a.dtype) if activation_fake_quant else a
 
+    def ragged(inp, w, sizes_, down, fake_quant):  # every local expert's rows at once, fp32
+        wf = _local_float(w, inp.dtype, plan, down, fake_quant)
+        return jax.lax.ragged_dot_general(inp, wf, sizes_, RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
+
     def gmm(inp, w, down=False):
-        wf = _local_float(w, inp.dtype, plan, down, weight_fake_quant)
-        y = jax.lax.ragged_dot_general(inp, wf, sizes, RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
-        return y.astype(out_dt if down else inp.dtype)
+        return ragged(inp, w, sizes, down, weight_fake_quant).astype(out_dt if down else inp.dtype)
 
     def expert_rows(x_w, e):
         def mm(inp, w, down=False):
@@ -251,15 +253,12 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     if local_form == "kernel":
         xs = qin(xs)
 
+        # the kernel's gradients: the ragged form's (packed weights: nothing to fake-quantise)
         def gate_up_reference(x_, wg, wu, sizes_):
-            return tuple(jax.lax.ragged_dot_general(x_, _local_float(w, x_.dtype, plan, False, False), sizes_,
-                                                    RAGGED_DOT_DIMS, preferred_element_type=jnp.float32
-                                                    ).astype(x_.dtype) for w in (wg, wu))
+            return tuple(ragged(x_, w, sizes_, False, False).astype(x_.dtype) for w in (wg, wu))
 
         def down_reference(h_, wd, sizes_):
-            y_ = jax.lax.ragged_dot_general(h_, _local_float(wd, h_.dtype, plan, True, False), sizes_,
-                                            RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
-            return y_.astype(out_dt)
+            return ragged(h_, wd, sizes_, True, False).astype(out_dt)
 
         # the receive buffer holds the worst case; a device gets its own share of rows on average
         mean_rows = rows.shape[0] // plan.ep_size

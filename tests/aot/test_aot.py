@@ -236,7 +236,9 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
     """`k31jax compile --kernels pallas`: the state holds the experts in the Mosaic kernel's
     layout, each MoE layer runs the kernel (gate/up fused, then down) on its expert-parallel rows,
     the stacks reach it uncopied (no copy, no float decode of a layer's experts), the cache is
-    aliased, and the report counts the kernel by its cost estimate: far below the stacks."""
+    aliased, and the report counts the kernel by its cost estimate: far below the stacks. The
+    KDA layers run the Mosaic decode step on each device's rows and heads (`ops.per_device`):
+    the program's collectives are the XLA path's, no state gathered."""
     import json
 
     from k31jax.cli import main
@@ -248,13 +250,15 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
                                  dump=tmp_path, backends=Backends(kernels="pallas", ep="ragged"))
     _check_report(report.as_dict(), "decode")
     text = (tmp_path / "model.decode.hlo.txt").read_text()
-    launches = text.count('custom_call_target="tpu_custom_call"')
+    launches = sum('custom_call_target="tpu_custom_call"' in line for line in text.splitlines()
+                   if "mxfp4_gmm_tpu" in line)
     assert launches >= 2 and launches % 2 == 0  # per MoE layer (or scanned body): gate/up, then down
     experts = [line for line in text.splitlines() if re.search(r"\b(copy|transpose|fusion)\(", line)
                and "['moe']['w_" in line]
     assert not experts, experts[0][:200]
     held = aot.compile_program(cfg, "v5p:2x2x1", "expert=2,tensor=2", step="decode", batch=8, context=1024)
     assert report.hlo.hbm_bytes < held.hlo.hbm_bytes  # the XLA path's selected loop, with its reshapes
+    assert "kda_decode_tpu" in text and report.hlo.collectives == held.hlo.collectives
     assert re.search(r"mxfp4_gmm_tpu", " ".join(name for _, name in report.hlo.traffic))
     # the CLI flag reaches the same program
     assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=2,tensor=2", "--batch",
@@ -373,6 +377,33 @@ def test_decode_reads_a_split_w_down_scale_stack_in_place(tmp_path):
     layers, experts = scale.shape[0], scale.sharding.shard_shape(scale.shape)[1]
     stack_copies = re.findall(rf"= u(?:8|16)\[{layers},{experts},[\d,]+\]\S* copy\(", text)
     assert not stack_copies, stack_copies
+
+
+@needs_libtpu
+def test_decode_reads_the_per_head_projection_stacks_in_place(tmp_path):
+    """The MLA `q_b_proj` / `kv_b_proj` and KDA `f_b_proj` / `g_proj` stacks, whose outputs a
+    decode step reads head by head: XLA:TPU wants them `out`-major and copied each `[n, in, out]` stack
+    whole in every decode call. Held transposed (`nn.out_major_projections`, what the engine
+    and `aot` do for a TPU) they are read in place. 8 layers: the stacks are read in a scan."""
+    from k31jax.nn import OUT_MAJOR_PROJECTIONS
+
+    cfg = _tile_filling_config().replace(num_hidden_layers=8, layer_types=("kda", "kda", "kda", "mla") * 2)
+    report = aot.compile_program(cfg, "v5e:2x2", "expert=2,tensor=2", step="decode", batch=2, context=256,
+                                 dump=tmp_path)
+    _check_report(report.as_dict(), "decode")
+    text = (tmp_path / "model.decode.hlo.txt").read_text()
+    params = {m.group(2): m.group(1) for m in re.finditer(r"(%param\.\d+) = \S+ parameter\(\d+\), "
+                                                        r"metadata=\{op_name=\"(state[^\"]+)\"", text)}
+    stacks = tuple(f"state[\\'{stack}\\'][\\'{name}\\']" for stack, ns in OUT_MAJOR_PROJECTIONS.items() for name in ns)
+    sources = {param for name, param in params.items() if name.startswith(stacks)}
+    assert len(sources) == len(stacks), sorted(params)
+    # a copy of a whole stack: of its parameter, or of the async copy that brings it in
+    sources |= {m.group(1) for m in re.finditer(r"(%copy-start\.\d+) = \S+ copy-start\((%param\.\d+)\)", text)
+                if m.group(2) in sources}
+    sources |= {m.group(1) for m in re.finditer(r"(%copy-done\.\d+) = \S+ copy-done\((%copy-start\.\d+)\)", text)
+                if m.group(2) in sources}
+    copies = [m.group(0) for m in re.finditer(r"= \S+ copy\((%[\w.-]+)\)", text) if m.group(1) in sources]
+    assert not copies, copies
 
 
 @needs_libtpu

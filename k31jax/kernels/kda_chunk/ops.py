@@ -1,4 +1,6 @@
-"""The kernel paths of `ops.kda_chunked` / `ops.kda_recurrent` (`impl` "pallas" | "interpret").
+"""The kernel paths of `ops.kda_chunked` / `ops.kda_recurrent` (`impl` "pallas" | "interpret" |
+"interpret_tpu"): Pallas-Triton for both; the decode step also as a Pallas TPU (Mosaic) kernel
+(`mosaic_kda`), which "pallas" runs for a TPU and "interpret_tpu" anywhere.
 
 Dtype policy: q, k, v, g, β may be bf16; everything is upcast to fp32 (the recurrence is an
 fp32 island, kda.md §5-§6) and the outputs and state are fp32, exactly as the XLA ops.
@@ -10,8 +12,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._common import pad_axis, pow2_at_least
+from .._common import pad_axis, pow2_at_least, runs_mosaic
 from . import pallas_kda
+from .mosaic_kda import kda_decode_tpu
 
 CHUNK_SIZES = (16, 32, 64, 128)  # the chunk sizes the kernel takes
 
@@ -82,9 +85,13 @@ def kda_recurrent(
     impl: str = "pallas",
 ) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
     """The kernel path of `ops.kda_recurrent`: each token is one fused decode-step launch
-    (decay, read, delta write, read-out; the state updated in place), scanned over T."""
+    (decay, read, delta write, read-out; the state updated in place), scanned over T. For a TPU
+    (`runs_mosaic`) one launch takes all T tokens (`mosaic_kda.kda_decode_tpu`)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
+    if runs_mosaic(impl):
+        state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state
+        return kda_decode_tpu(q, k, v, g, beta, state, interpret=impl == "interpret_tpu")
     dkp, dvp = pow2_at_least(dk), pow2_at_least(dv)
 
     def prep(a, d):
