@@ -385,7 +385,7 @@ def out_major_projections(state: nnx.State) -> nnx.State:
             return a
         sharding = getattr(a, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
-            spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+            spec = _full_spec(sharding, a.ndim)
             sharding = jax.sharding.NamedSharding(sharding.mesh,
                                                   jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
         if isinstance(a, jax.ShapeDtypeStruct):
@@ -406,6 +406,11 @@ def out_major_projections(state: nnx.State) -> nnx.State:
     return nnx.State(out)
 
 
+def _full_spec(sharding: jax.sharding.NamedSharding, ndim: int) -> tuple:
+    """A named sharding's spec with one entry per dimension (trailing ones None)."""
+    return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+
+
 def _kernel_layout(packed, scale):
     """`quant.kernel_layout` of a stack (arrays or ShapeDtypeStructs), sharded as the bytes were:
     the words' `in/8` and `out` axes and the scale's parts split where the bytes' `in` / blocks
@@ -417,7 +422,7 @@ def _kernel_layout(packed, scale):
     convert = functools.partial(kernel_layout, splits=splits)
     where = None
     if named:
-        spec = tuple(sharding.spec) + (None,) * (packed.ndim - len(sharding.spec))
+        spec = _full_spec(sharding, packed.ndim)
         lead, out_ax, in_ax = spec[:-2], spec[-2], spec[-1]
         mesh = sharding.mesh
         where = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, in_ax, out_ax)),
@@ -444,7 +449,7 @@ def _tiled_scale(a):
     tile = functools.partial(tile_scales, splits=splits)
     where = None
     if named:  # the parts axis splits where the blocks did
-        spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+        spec = _full_spec(sharding, a.ndim)
         where = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], None, None))
     if isinstance(a, jax.ShapeDtypeStruct):
         tiled = jax.eval_shape(tile, jax.ShapeDtypeStruct(a.shape, a.dtype))

@@ -197,23 +197,26 @@ def _kernel_compiles(name: str, kernel, args: tuple) -> bool:
 
 def per_device(fn, in_axes: tuple, out_axes: tuple):
     """`fn` (a kernel path, arrays in and out) run on each device's slice of its arguments
-    under the active automatically partitioned mesh (`shard_map`), each argument and result
-    split by its logical axis names (`sharding.logical_to_spec`; an axis that does not divide
-    is left whole); `fn` itself where nothing is partitioned. For kernels whose work is
-    independent along the split axes, so the partitioner never gathers their inputs."""
+    under the active automatically partitioned mesh (`shard_map`), each argument split by its
+    logical axis names (`sharding.logical_to_spec`; an axis that does not divide is left
+    whole), and each result split as the arguments' axes of the same names were; `fn` itself
+    where nothing is partitioned. For kernels whose work is independent along the split axes,
+    so the partitioner never gathers their inputs."""
     if _per_device():
         return fn
     mesh = jax.sharding.get_abstract_mesh()
     shape = dict(mesh.shape)
     rules = current_rules(shape)
 
-    def specs(axes, arrays):
-        return tuple(logical_to_spec(names, a.shape, shape, rules) for names, a in zip(axes, arrays))
-
     def run(*args):
-        outs = jax.eval_shape(fn, *args)
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs(in_axes, args), out_specs=specs(out_axes, outs),
-                             check_vma=False)(*args)
+        in_specs = tuple(logical_to_spec(names, a.shape, shape, rules) for names, a in zip(in_axes, args))
+        split = {}  # logical name -> the mesh axes the arguments split it over
+        for names, spec in zip(in_axes, in_specs):
+            for name, entry in zip(names, tuple(spec) + (None,) * (len(names) - len(spec))):
+                if name is not None:
+                    split.setdefault(name, entry)
+        out_specs = tuple(jax.sharding.PartitionSpec(*(split.get(n) for n in names)) for names in out_axes)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return run
 
