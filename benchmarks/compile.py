@@ -69,7 +69,10 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"  largest buffers: {top}",
         f"  at the compiler's memory peak: {peak}",
         f"  HBM traffic by source (op_name): {moved}",
-    ]
+    ] + ([] if r.state_formats_changed is None else [
+        "  donated state in the layouts the compiler chose: " + (
+            "returned as taken" if not r.state_formats_changed else
+            f"{r.state_formats_changed} leaves returned in other formats")])
 
 
 def main() -> None:

@@ -155,6 +155,9 @@ class CompileReport:
     floor_note: str
     peak: list                     # what the compiler holds at its memory peak: (bytes, source), largest first
     versions: dict
+    # train: how many donated state leaves the step returns in other formats than it takes them
+    # in (each would be re-laid out before the next step; `train.StepProgram`), or None
+    state_formats_changed: int | None = None
 
     @property
     def total(self) -> int:
@@ -186,7 +189,7 @@ class CompileReport:
                 "hbm_per_device": self.hbm_per_device, "fits": self.fits, "planner": self.planner,
                 "hlo": self.hlo.as_dict(), "xla_cost": self.xla_cost, "floor_bytes": self.floor_bytes,
                 "floor_note": self.floor_note, "peak": [[b, name] for b, name in self.peak],
-                "versions": self.versions}
+                "versions": self.versions, "state_formats_changed": self.state_formats_changed}
 
     def table(self) -> str:
         m, p = self.memory, self.planner
@@ -204,6 +207,10 @@ class CompileReport:
             lines.append(f"{label:<34}{a / GB:>12.2f}{'' if b is None else f'{b / GB:>12.2f}'}")
         lines.append(f"HBM per device {self.hbm_per_device / GB:.1f} GB: {'fits' if self.fits else 'DOES NOT FIT'}; "
                      f"planner / compiler (less generated code) {self.planner_ratio:.2f}")
+        if self.state_formats_changed is not None:
+            lines.append("donated state in the layouts the compiler chose: " + (
+                "returned as taken" if not self.state_formats_changed else
+                f"{self.state_formats_changed} leaves returned in other formats (re-laid out every step)"))
         h = self.hlo
         lines += ["", f"per call, with loop trip counts: HBM traffic {h.hbm_bytes / GB:.2f} GB, "
                   f"{h.flops / 1e12:.3f} TFLOP (XLA's own totals, loop bodies once: "
@@ -394,9 +401,18 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     jitted, args = abstract_train_step(cfg, mesh, rules, optim=optim, qat=t.qat, master_dtype=t.master_dtype,
                                        remat=t.remat, lora_rank=t.lora_rank, micro_batch=batch,
                                        grad_accum=t.grad_accum, seq_len=t.seq_len, backends=backends)
+    formats = {}
+
+    def compile_lowered(lowered, options):  # the state's formats in and out, as `StepProgram` places it
+        compiled = lowered.compile(compiler_options=options)
+        formats["in"], formats["out"] = compiled.input_formats[0][:3], compiled.output_formats[:3]
+        return compiled
+
     lower_s, compile_s, memory, text, xla, peak = _compile(jitted, args, mesh, rules,
                                                            f"train step of {name} on {topology}",
-                                                           dump and Path(dump) / f"{name}.train.hlo.txt")
+                                                           dump and Path(dump) / f"{name}.train.hlo.txt",
+                                                           compile_lowered)
+    changed = sum(a != b for a, b in zip(jax.tree.leaves(formats["in"]), jax.tree.leaves(formats["out"])))
     hlo = analyse(text)
     donated = sum(_device_bytes(a) for a in jax.tree.leaves(args[3:6]))
     inputs = sum(_device_bytes(a) for a in jax.tree.leaves(args[6]))
@@ -415,7 +431,7 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     kind = devices[0].device_kind
     return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,
-                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions())
+                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions(), changed)
 
 
 def _device_bytes(a: jax.ShapeDtypeStruct) -> int:

@@ -10,7 +10,9 @@ DeepSeek-V3.2-style indexer distillation with its top-k recall (`TrainConfig.dis
     result = train(cfg)                     # or: k31jax train --config tiny --data corpus/ --out runs/a ...
 
 The step itself, for code that drives it (benchmarks): `split_for_training(state, optim)` ->
-(frozen rest, trained leaves, optimizer), `train_step(graphdef, tx, StepSettings(...), ...)`.
+(frozen rest, trained leaves, optimizer), `train_step(graphdef, tx, StepSettings(...), ...)`;
+`StepProgram(train_step)` runs it as `Trainer` does (the donated state laid out by the
+compiler on a TPU).
 A run folder holds `RUN_FILE`; a run stopped by SIGTERM exits with `SIGTERM_EXIT`.
 """
 
@@ -22,13 +24,14 @@ from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
 from ._metrics import plot_metrics, read_metrics
 from ._optim import OPTIMIZERS, TRAINABLE_SETS, OptimConfig, decay_mask, make_optimizer, param_labels
+from ._programs import StepProgram
 from ._runs import eval_split, load_generation_model, training_files
 from ._steps import StepSettings, train_step
 from ._trainer import (RUN_FILE, SIGTERM_EXIT, EvalResult, Trainer, TrainResult, abstract_train_step, evaluate, load_any,
                        load_run, split_for_training, train, with_config)
 
 __all__ = [
-    "DISTILL_STAGES", "MASTER_DTYPES", "OPTIMIZERS", "RUN_FILE", "SIGTERM_EXIT", "TRAINABLE_SETS", "StepSettings",
+    "DISTILL_STAGES", "MASTER_DTYPES", "OPTIMIZERS", "RUN_FILE", "SIGTERM_EXIT", "TRAINABLE_SETS", "StepProgram", "StepSettings",
     "split_for_training", "train_step", "with_config",
     "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
     "RecallResult", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",

@@ -45,6 +45,7 @@ from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
 from ._metrics import MetricsLog, compiling_note
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
                      param_labels)
+from ._programs import StepProgram
 from ._steps import StepSettings, eval_step, overlay, partition, train_step
 
 RUN_FILE = "run.json"
@@ -53,10 +54,10 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"  # the finished run's export: final/release (safetensors), final/orbax (k31jax Orbax)
 SIGTERM_EXIT = 143  # 128 + SIGTERM, after the checkpoint is written
 
-# One jit object per step for the process: every Trainer (and `evaluate` call) with the same
+# One program per step for the process: every Trainer (and `evaluate` call) with the same
 # static arguments (graphdef, optimizer, settings) and shapes reuses the compiled program.
-_TRAIN_STEP = jax.jit(train_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
-_DISTILL_STEP = jax.jit(distill_step, static_argnums=(0, 1, 2), donate_argnums=(3, 4, 5))
+_TRAIN_STEP = StepProgram(train_step)
+_DISTILL_STEP = StepProgram(distill_step)
 _EVAL_STEP = jax.jit(eval_step, static_argnums=(0, 1))
 
 
@@ -538,4 +539,5 @@ def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: O
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=where) for k, dt in dtypes.items()}
     settings = StepSettings(backends=backends or Backends(), remat=remat, vocab_chunk=vocab_chunk,
                             lora_scale=lora_alpha / lora_rank if lora_rank else None)
-    return _TRAIN_STEP, (graphdef, tx, settings, params, opt_state, trainable, batch)
+    args = (graphdef, tx, settings, params, opt_state, trainable, batch)
+    return _TRAIN_STEP.jitted(*args), args

@@ -131,16 +131,61 @@ def test_qat_gradient_is_the_straight_through_one():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
 
 
+def test_the_trainers_step_program_is_the_jitted_step_and_returns_the_state_as_it_took_it():
+    """`StepProgram`, the Trainer's step (state donated; on a TPU laid out as the compiler
+    chooses): the plain jitted step's numbers, one compile per argument signature, and the
+    state returned in the formats the program takes it in, so placing it for the next step
+    moves nothing."""
+    from k31jax.train import StepProgram
+
+    cfg = tiny_config(dtype="float32")
+    optim = OptimConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10)
+    settings = StepSettings(backends=Backends(), bias_update_rate=1e-3)
+    graphdef, rest, trained, tx, batch = _step_inputs(cfg, optim, 1, 2, 24)
+    want = jax.jit(train_step, static_argnums=(0, 1, 2))(graphdef, tx, settings, rest, tx.init(trained), trained,
+                                                        batch)
+    program = StepProgram(train_step)
+    fresh = lambda tree: jax.tree.map(jnp.copy, tree)  # the program donates its state
+    got = program(graphdef, tx, settings, fresh(rest), tx.init(trained), fresh(trained), batch)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    formats = program.compiled(graphdef, tx, settings, *got[:3], batch).input_formats[0][:3]
+    assert len(program._compiled) == 1  # the updated state has the signature it came with
+    assert jax.tree.map(lambda a: a.format, got[:3]) == formats
+    again = program(graphdef, tx, settings, *got[:3], batch)
+    assert len(program._compiled) == 1 and float(again[3]["loss"]) < float(want[3]["loss"])
+
+
+def test_the_step_program_places_a_leaf_once_and_frees_the_original():
+    """Placing the state for the compiled step (`_placed`): a leaf already in its format is
+    passed on as it is; any other is copied to it and the original deleted at once, so the
+    placement needs one leaf of headroom, not a second copy of the state."""
+    from jax.experimental.layout import Format
+
+    from k31jax.train._programs import _placed
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    split, whole = jax.NamedSharding(mesh, jax.P("x")), jax.NamedSharding(mesh, jax.P())
+    x = jax.device_put(jnp.arange(12.0).reshape(4, 3), split)
+    fmt = Format(x.format.layout, whole)
+    y = _placed(x, fmt)
+    assert x.is_deleted() and y.format == fmt
+    np.testing.assert_array_equal(y, np.arange(12.0).reshape(4, 3))
+    assert _placed(y, fmt) is y and not y.is_deleted()
+
+
 def test_sharded_step_equals_the_single_device_step():
     """Two optimizer steps on 8 fake CPU devices (data x expert x tensor, experts run
     expert-parallel) equal the same steps on one device."""
     from k31jax import distributed, sharding
+    from k31jax.train import StepProgram
 
     cfg = tiny_config(dtype="float32")
     optim = OptimConfig(learning_rate=1e-2, warmup_steps=0, total_steps=10, eps=1.0)  # linear updates
     settings = StepSettings(backends=Backends(), bias_update_rate=1e-3)
     graphdef, rest, trained, tx, batch = _step_inputs(cfg, optim, 1, 4, 24)
-    params = overlay(rest, trained)
+    params = jax.tree.map(np.asarray, overlay(rest, trained))  # host values: the sharded steps donate theirs
     step = jax.jit(train_step, static_argnums=(0, 1, 2))
     r1, t1, opt1 = rest, trained, tx.init(trained)
     for _ in range(2):
@@ -155,7 +200,7 @@ def test_sharded_step_equals_the_single_device_step():
     batch_s = {k: jax.device_put(v, spec) for k, v in batch.items()}
     with sharding.activate(mesh):
         opt_s = jax.jit(tx.init)(ts)
-        step_s = jax.jit(train_step, static_argnums=(0, 1, 2))
+        step_s = StepProgram(train_step)  # the Trainer's program
         for _ in range(2):
             rs, opt_s, ts, ms = step_s(graphdef_s, tx, settings, rs, opt_s, ts, batch_s)
     ps = overlay(rs, ts)
