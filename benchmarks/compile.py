@@ -69,10 +69,8 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"  largest buffers: {top}",
         f"  at the compiler's memory peak: {peak}",
         f"  HBM traffic by source (op_name): {moved}",
-    ] + ([] if r.state_formats_changed is None else [
-        "  donated state in the layouts the compiler chose: " + (
-            "returned as taken" if not r.state_formats_changed else
-            f"{r.state_formats_changed} leaves returned in other formats")])
+    ] + ([] if r.state_formats_changed is None else
+         [f"  donated state in the layouts the compiler chose: {r.state_formats_note()}"])
 
 
 def main() -> None:

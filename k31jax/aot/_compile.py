@@ -191,6 +191,14 @@ class CompileReport:
                 "floor_note": self.floor_note, "peak": [[b, name] for b, name in self.peak],
                 "versions": self.versions, "state_formats_changed": self.state_formats_changed}
 
+    def state_formats_note(self) -> str | None:
+        """train: whether the step returns its donated state in the formats it takes it in."""
+        if self.state_formats_changed is None:
+            return None
+        if not self.state_formats_changed:
+            return "returned as taken"
+        return f"{self.state_formats_changed} leaves returned in other formats (re-laid out every step)"
+
     def table(self) -> str:
         m, p = self.memory, self.planner
         lines = [f"k31jax compile: {self.step} of {self.config} on {self.topology} ({self.devices} x "
@@ -208,9 +216,7 @@ class CompileReport:
         lines.append(f"HBM per device {self.hbm_per_device / GB:.1f} GB: {'fits' if self.fits else 'DOES NOT FIT'}; "
                      f"planner / compiler (less generated code) {self.planner_ratio:.2f}")
         if self.state_formats_changed is not None:
-            lines.append("donated state in the layouts the compiler chose: " + (
-                "returned as taken" if not self.state_formats_changed else
-                f"{self.state_formats_changed} leaves returned in other formats (re-laid out every step)"))
+            lines.append(f"donated state in the layouts the compiler chose: {self.state_formats_note()}")
         h = self.hlo
         lines += ["", f"per call, with loop trip counts: HBM traffic {h.hbm_bytes / GB:.2f} GB, "
                   f"{h.flops / 1e12:.3f} TFLOP (XLA's own totals, loop bodies once: "

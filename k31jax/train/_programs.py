@@ -27,6 +27,7 @@ STATE = slice(3, 6)  # params, opt_state, trainable: donated, returned updated
 
 
 def _abstract(tree):
+    """Shapes, dtypes and shardings, no layout: `Layout.AUTO` refuses an argument with one."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
