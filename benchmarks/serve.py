@@ -38,7 +38,20 @@ Prompts are Python standard-library source text (what the embedded model was tra
    scheduler, resumed from the snapshot stored at the end of turn 1 (prefix cache on) vs
    prefilled cold (prefix cache off: the whole prompt in `--chunk`-token calls). The same
    compiled programs serve both sides.
-3. Start-up (issue 32): `k31jax serve` as users start it (the embedded model, its default
+3. Shared prefix (issue 29, `--skip-shared`): `--shared-clients` clients whose prompts share a
+   `--shared-prefix`-token head (a system prompt and tool list), all at once, greedy: time to
+   first token with the cross-session prefix cache (the second prompt that reaches the shared
+   head stores the state there, a branch point; the rest resume from it) vs with no prefix
+   cache; the outputs must be the same on both sides. Target: >= 5x at 32 clients x 2,000 tokens.
+4. Compaction (issue 29, `--skip-compaction`): an agent history of `--results` tool results
+   of `--result-tokens` tokens; the turn that brought them is prefilled with each result's start
+   marked (as `k31jax serve` marks a turn's new tool results), then the results from the
+   `--compact-from`-th to the one before the last are replaced by stubs
+   (`k31jax.chat.compact_history`; the first ones, the documents the task is about, stay): time
+   to first token of the next turn
+   resumed from the state stored before the first stub vs a cold prefill of the compacted
+   history (prefix cache off); the greedy outputs must be the same.
+5. Start-up (issue 32): `k31jax serve` as users start it (the embedded model, its default
    context, chunk and batch; `--quiet`), from the process start to its first /health answer
    (listening), to the first answered request (a chat completion of 8 tokens, sent as soon as
    it listens: it waits for the programs it needs), and to the end of the warm-up (every
@@ -51,8 +64,9 @@ Method (`benchmarks/_harness.py`): in each part the two sides alternate, one war
 the start that fills the warm cache), then `--repeats` rounds; median [min, max]; the 1-minute
 load average before and after every timed run (it counts this benchmark's own 2 busy threads)
 and the CPU other processes used during the timed runs (`_harness.OtherCPU`). `--record` writes
-the printed blocks into RESULTS.md's section `serve`, parts 1-2 as block `serve`, part 3 as
-`serve_startup` (refused when other processes shared the cores, unless `--force`, which marks it).
+the printed blocks into RESULTS.md's section `serve`: parts 1-2 as block `serve`, 3 as
+`serve_shared`, 4 as `serve_compaction`, 5 as `serve_startup` (refused when other processes
+shared the cores, unless `--force`, which marks it).
 """
 
 from __future__ import annotations
@@ -365,6 +379,132 @@ def startup(args, say: Lines) -> None:
         f"other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
 
 
+def shared_prefix(args, lm, ids, say: Lines) -> None:
+    """Issue 29: `--shared-clients` clients whose prompts share a `--shared-prefix`-token head
+    (one system prompt and tool list, as agents send), all at once, greedy; time to first token
+    with the cross-session prefix cache (the second client stores the branch point, the rest
+    resume from it) vs without it; the outputs must be the same."""
+    tok = lm.tokenizer
+    head = ids[:args.shared_prefix]
+    rng = np.random.default_rng(args.seed)
+    prompts = []
+    for i in range(args.shared_clients):
+        start = int(rng.integers(args.shared_prefix, len(ids) - 64))
+        prompts.append(head + tok.encode(f"\n# client {i}\n") + ids[start:start + 24])
+    engine = Engine(lm.model, tok, max_len=args.shared_prefix + 256, prefill_chunk=args.chunk)
+    sched = Scheduler(engine, max_batch=args.max_batch, prefill_chunk=args.chunk, max_queue=args.shared_clients)
+    t0 = time.perf_counter()
+    sched.warmup()
+    compile_s = time.perf_counter() - t0
+    sched.start()
+    outputs: dict[str, list] = {}
+    loads = {"shared": [], "none": []}
+    foreign = OtherCPU()
+
+    def side(name: str, cache_bytes: int):
+        def run():
+            sched.prefix = PrefixCache(cache_bytes)  # each round starts empty: the first clients prefill cold
+            handles = [sched.submit(Request(p, SamplingParams(temperature=0.0), 8, stop_ids=frozenset()))
+                       for p in prompts]
+            done = [h.result(timeout=3600) for h in handles]
+            outputs.setdefault(name, [d.completion.tokens for d in done])
+            assert outputs[name] == [d.completion.tokens for d in done]
+            ttft = np.asarray([d.ttft_seconds * 1e3 for d in done])
+            return {"ttft_p50_ms": np.quantile(ttft, 0.5), "ttft_mean_ms": ttft.mean(),
+                    "cached": sum(d.cached_tokens for d in done)}
+        return lambda: timed(run, loads[name], foreign)
+
+    try:
+        st = alternate({"shared": side("shared", 1 << 30), "none": side("none", 0)}, args.repeats)
+    finally:
+        sched.stop()
+    same = outputs["shared"] == outputs["none"]
+    say("## shared prefix: clients with one system prompt, the cross-session prefix cache vs none")
+    say(f"{args.shared_clients} clients at once, prompts = the same {args.shared_prefix}-token head + ~30 own "
+        f"tokens, 8 greedy tokens each; max_batch {args.max_batch}, prefill chunk {args.chunk}; warm-up "
+        f"(compiles) {compile_s:.1f} s, excluded; {args.repeats} rounds alternating")
+    say(f"{'':8}{'TTFT p50 ms':>27}{'TTFT mean ms':>27}{'cached tokens':>15}")
+    for name in ("shared", "none"):
+        say(f"{name:8}{str(st[name]['ttft_p50_ms']):>27}{str(st[name]['ttft_mean_ms']):>27}"
+            f"{st[name]['cached'].median:>15.0f}")
+    say(f"TTFT p50 ratio (none / shared): {ratio(st['none']['ttft_p50_ms'], st['shared']['ttft_p50_ms']):.2f}x "
+        f"(target >= 5x); mean {ratio(st['none']['ttft_mean_ms'], st['shared']['ttft_mean_ms']):.2f}x; "
+        f"greedy outputs identical: {same}")
+    say(f"1-min load before/after each timed run: shared {' '.join(loads['shared'])}; none "
+        f"{' '.join(loads['none'])}; other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
+
+
+def compaction(args, lm, ids, say: Lines) -> None:
+    """Issue 29: an agent history of `--results` tool results (`--result-tokens` each), the turn
+    that brought the last of them prefilled with its tool results marked (as `k31jax serve`
+    marks them), then every result but the last compacted to a stub; time to first token of the
+    next turn resumed from the state stored before the first stub vs a cold prefill of the same
+    compacted history."""
+    from k31jax.chat import apply_chat_template, compact_history
+
+    tok = lm.tokenizer
+    history = [{"role": "system", "content": "You are a coding agent."},
+               {"role": "user", "content": "Find where the queue is drained."}]
+    for i in range(args.results):
+        start = 4000 + i * args.result_tokens
+        history.append({"role": "assistant", "content": "", "reasoning_content": f"read part {i}", "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]})
+        history.append({"role": "tool", "tool_call_id": f"call_{i}", "content": tok.decode(
+            ids[start:start + args.result_tokens])})
+    question = {"role": "user", "content": "Which function drains it?"}
+
+    def render(msgs, generation=True):
+        return apply_chat_template(tok, msgs, thinking=False, add_generation_prompt=generation)
+
+    before = render(history + [question])
+    marks = [len(render(history[:k], False)) for k, m in enumerate(history) if m["role"] == "tool"]
+    # the results from the `--compact-from`-th on are replaced but the last (the first ones, a
+    # spec or the files the task is about, stay); the rest of the history is kept
+    compacted, done = compact_history(history, tok, documents=[f"call_{i}" for i in
+                                                               range(args.compact_from, args.results - 1)])
+    after = render(compacted + [question])
+    first_edit = marks[args.compact_from]  # where the first replaced result began
+    assert after[:first_edit] == before[:first_edit]
+    engine = Engine(lm.model, tok, max_len=len(before) + 64, prefill_chunk=args.chunk)
+    sched = Scheduler(engine, max_batch=args.max_batch, prefill_chunk=args.chunk, max_queue=4)
+    t0 = time.perf_counter()
+    sched.warmup()
+    compile_s = time.perf_counter() - t0
+    sched.start()
+    loads = {"resumed": [], "cold": []}
+    foreign = OtherCPU()
+    outputs: dict[str, list] = {}
+
+    def side(name: str):
+        def run():
+            sched.prefix = PrefixCache((1 << 30) if name == "resumed" else 0)
+            if name == "resumed":  # the turn before the compaction, which stores the marked states (untimed)
+                sched.submit(Request(before, max_new_tokens=2, snapshot_at=marks)).result(timeout=3600)
+            fin = sched.submit(Request(after, SamplingParams(temperature=0.0), 8,
+                                       stop_ids=frozenset())).result(timeout=3600)
+            outputs.setdefault(name, fin.completion.tokens)
+            return {"ttft_ms": fin.ttft_seconds * 1e3, "cached": fin.cached_tokens}
+        return lambda: timed(run, loads[name], foreign)
+
+    try:
+        st = alternate({"resumed": side("resumed"), "cold": side("cold")}, args.repeats)
+    finally:
+        sched.stop()
+    say("## compaction: the turn after a compaction, resumed vs a cold prefill of the compacted history")
+    say(f"{args.results} tool results of {args.result_tokens} tokens; results {args.compact_from}.."
+        f"{args.results - 2} replaced by stubs "
+        f"({len(before)} -> {len(after)} prompt tokens; the first stub at token {first_edit}); prefill chunk "
+        f"{args.chunk}; warm-up (compiles) {compile_s:.1f} s, excluded; {args.repeats} rounds alternating")
+    say(f"{'':9}{'TTFT ms':>27}{'cached tokens':>15}")
+    for name in ("resumed", "cold"):
+        say(f"{name:9}{str(st[name]['ttft_ms']):>27}{st[name]['cached'].median:>15.0f}")
+    say(f"cold / resumed: {ratio(st['cold']['ttft_ms'], st['resumed']['ttft_ms']):.2f}x; the resumed turn reuses "
+        f"the history up to the first stub ({first_edit} tokens): {st['resumed']['cached'].median >= first_edit}; "
+        f"greedy outputs identical: {outputs['resumed'] == outputs['cold']}")
+    say(f"1-min load before/after each timed run: resumed {' '.join(loads['resumed'])}; cold "
+        f"{' '.join(loads['cold'])}; other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="preset with random weights (default: the embedded model)")
@@ -383,11 +523,20 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-session", action="store_true")
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--skip-shared", action="store_true")
+    ap.add_argument("--skip-compaction", action="store_true")
+    ap.add_argument("--results", type=int, default=8, help="tool results in the compaction part's history")
+    ap.add_argument("--result-tokens", type=int, default=400, help="tokens of each of those results")
+    ap.add_argument("--compact-from", type=int, default=4,
+                    help="the compaction part replaces results compact-from .. results-2 (0-based)")
+    ap.add_argument("--shared-clients", type=int, default=32)
+    ap.add_argument("--shared-prefix", type=int, default=2000, help="tokens the shared-prefix clients share")
     add_record_arguments(ap)
     args = ap.parse_args(argv)
     sess = Session()
     say, say_startup = Lines(), Lines()
-    if not (args.skip_throughput and args.skip_session):
+    say_shared, say_compaction = Lines(), Lines()
+    if not (args.skip_throughput and args.skip_session and args.skip_shared and args.skip_compaction):
         lm = load_model(config=args.config)
         n_params = count_params(lm.model.config).total  # packed MXFP4 stores two parameters per byte
         say(f"model: {args.config or 'the embedded default model (trained)'}, {n_params:,} parameters, "
@@ -397,12 +546,19 @@ def main(argv=None) -> None:
             throughput(args, lm, ids, say)
         if not args.skip_session:
             session(args, lm, ids, say)
+        if not args.skip_shared:
+            shared_prefix(args, lm, ids, say_shared)
+        if not args.skip_compaction:
+            compaction(args, lm, ids, say_compaction)
     if not args.skip_startup:
         startup(args, say_startup)
     sess.finish()
     print(f"# {sess.header()}")
     if args.record:
-        for part, lines in ((None, say.lines), ("startup", say_startup.lines)):
+        parts = [("startup", say_startup.lines), ("shared", say_shared.lines), ("compaction", say_compaction.lines)]
+        if not (args.skip_throughput and args.skip_session):  # (`say` also holds the model line)
+            parts.insert(0, (None, say.lines))
+        for part, lines in parts:
             if lines:
                 record("serve", lines, sess, part=part, force=args.force)
 

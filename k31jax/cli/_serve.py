@@ -62,6 +62,9 @@ def register(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens a chat completion without max_tokens generates at most (default: "
                         f"{DEFAULT_MAX_TOKENS}, capped by the context; shown in /v1/models)")
+    p.add_argument("--no-grammar", action="store_true",
+                   help="no constrained decoding: tool calls and JSON formats as the model writes them "
+                        "(default: held to the tools' strict schemas, response_format and the K3 output structure)")
     p.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     p.add_argument("--vision", action="store_true",
                    help="accept images with a seeded RANDOM vision tower when the model has no trained one "
@@ -155,7 +158,7 @@ def _run(args) -> int:
                                                   max_body_bytes=int(args.max_body_mb * (1 << 20)),
                                                   image_dir=args.image_dir,
                                                   default_max_tokens=args.default_max_tokens,
-                                                  access_log=not args.quiet))
+                                                  access_log=not args.quiet, grammar=not args.no_grammar))
         if not args.quiet:
             _log_access_to_stderr()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)

@@ -17,13 +17,16 @@ streaming text and structured events, two loops over it, and a multi-turn chat s
   tower, or a seeded random one for the embedded model), ``engine.image_prompts()`` as the
   chat template's ``media_prompt``, ``Request(ids, images=prompts.images)``.
 - ``Scheduler``: continuous batching over a slot cache (requests join and leave between decode
-  steps), session prefix reuse (``PrefixCache``), forced tool choice (``ToolChoice``) and a
+  steps), session prefix reuse (``PrefixCache``), forced tool choice (``ToolChoice``),
+  grammar-constrained replies (``Request(grammar=OutputGrammar(...))``: the K3 output
+  structure, tool-call arguments valid against their ``ToolSchema``, JSON content) and a
   background warm-up (``start_warmup``, ``Warmup``: serve while the programs compile);
   ``ProcessSync`` runs it multi-host (process 0 decides, every process steps the same batch).
 """
 
 from ._core import GenerationCore
 from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
+from ._grammar import GrammarError, OutputGrammar, ToolSchema
 from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
 from ._healing import heal_prompt
 from ._loading import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model, load_tokenizer, tokenizer_dir
@@ -39,8 +42,8 @@ from ._warmup import Warmup
 
 __all__ = [
     "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationCore", "GenerationResult",
-    "Handle", "LoadedModel", "Logprobs", "Prefilled", "PrefixCache", "ProcessSync", "QueueFullError", "Request",
-    "SamplerState", "SamplingParams", "Scheduler", "Step", "StreamDelta", "TokenEvent", "TokenLogprob", "TokenRules", "ToolChoice", "TurnPlan", "TurnResult", "Warmup",
+    "GrammarError", "Handle", "LoadedModel", "Logprobs", "OutputGrammar", "Prefilled", "PrefixCache", "ProcessSync", "QueueFullError", "Request",
+    "SamplerState", "SamplingParams", "Scheduler", "Step", "StreamDelta", "TokenEvent", "TokenLogprob", "TokenRules", "ToolChoice", "ToolSchema", "TurnPlan", "TurnResult", "Warmup",
     "abstract_decode_inputs", "bucket_length", "embedded_model_dir", "engine_program", "heal_prompt", "load_model",
     "load_tokenizer", "plan_prefill", "sample_logits", "sample_tokens", "tokenizer_dir",
 ]

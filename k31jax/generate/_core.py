@@ -257,6 +257,16 @@ class GenerationCore:
         """One token for every row; `cache` and `sampler` are donated."""
         return self.run("decode", cache, token, sampler, rules, with_logprobs)
 
+    def decode_logits(self, cache: Cache, token) -> Prefilled:
+        """A decode step's forward pass: every row's next-token logits and the continued cache
+        (`cache` donated); `sample` turns them into tokens."""
+        return self.run("decode_logits", cache, token)
+
+    def sample(self, logits, sampler: SamplerState, rules: TokenRules, with_logprobs: bool = False) -> Step:
+        """One token per row from `decode_logits`' logits (`sampler` donated); with
+        `decode_logits`, the same tokens as `decode`."""
+        return self.run("sample", logits, sampler, rules, with_logprobs)
+
     # ---- slots --------------------------------------------------------------------------
     def insert(self, cache: Cache, scratch: Cache, slot: int, pos: int) -> Cache:
         """`scratch`'s one row into row `slot` of `cache` (donated), its keys ending at `pos`."""

@@ -32,7 +32,7 @@ from ..ops import Backends
 from ..vision import ImagePrompts
 from ._core import GenerationCore
 from ._healing import first_token_mask
-from ._logits import TokenRules
+from ._logits import TokenRules, pack_mask
 from ._requests import Completion, Request, StreamDelta, normalize_requests
 from ._sampling import SamplingParams
 
@@ -201,6 +201,8 @@ class Engine:
                              f"length max_len={self.max_len}; raise Engine(max_len=...)")
         for r in reqs:
             core.check(r)
+            if r.grammar is not None:  # never ignored silently
+                raise ValueError("Request.grammar runs on the Scheduler (k31jax serve), not the static Engine")
         rows = [core.controller(i, r) for i, r in enumerate(reqs)]
 
         cache = core.new_cache(b, self.max_len)
@@ -208,7 +210,7 @@ class Engine:
             prefilled = core.prefill(cache, call)
             cache = prefilled.cache
         mask = first_token_mask(self.tokenizer, [r.healed_prefix for r in reqs], self.config.vocab_size)
-        rules = TokenRules.forcing([row.force() for row in rows]).with_mask(mask)
+        rules = TokenRules.forcing([row.force() for row in rows]).with_bitmask(pack_mask(mask))
         step = core.first(prefilled.logits, [r.params for r in reqs], [r.prompt for r in reqs], rules)
         token, sampler = step.token, step.sampler
         host = np.asarray(token)

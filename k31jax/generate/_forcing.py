@@ -22,6 +22,14 @@ and which may not (``banned``: the stop ids, so the turn cannot end before its c
   no call can complete.
 - ``tool_choice="none"``: once the response channel closes, the message is closed and ended
   (the tools channel is never opened); a server also drops any call from the parse.
+
+Under a grammar (``Request.grammar``, ``_grammar``) the forcer still runs beside it: the
+grammar holds what the model writes (declared names, arguments valid against their schemas)
+and closes what is open in a row's last tokens, while the forcer keeps the room the call needs
+(forcing the way in before the budget runs out, which no grammar knows of) and ends the turn
+after its one call. Every id it forces is one the grammar allows; the cut tail is the
+exception (a call still open when the budget ends), and the row then runs on without its
+grammar (``RowGrammar.broken``).
 """
 
 from __future__ import annotations
@@ -38,11 +46,20 @@ def _ends_with(ids: Sequence[int], seq: Sequence[int]) -> bool:
     return len(ids) >= len(seq) > 0 and list(ids[len(ids) - len(seq):]) == list(seq)
 
 
+def _begun(ids: Sequence[int], seq: Sequence[int]) -> int:
+    """How many ids of `seq` the end of `ids` has already written (the longest suffix of `ids`
+    that is a proper prefix of `seq`): a marker the model (or its grammar) has begun."""
+    for k in range(min(len(seq) - 1, len(ids)), 0, -1):
+        if list(ids[len(ids) - k:]) == list(seq[:k]):
+            return k
+    return 0
+
+
 class ToolChoiceForcer:
     """Per-row state: call ``constraint()`` before a step, ``push(id)`` after it."""
 
     def __init__(self, tokenizer, mode: str, *, tool_names: Sequence[str] = (), name: str | None = None,
-                 prompt_ids: Sequence[int] = (), max_new_tokens: int):
+                 prompt_ids: Sequence[int] = (), max_new_tokens: int, args_room: int = 0):
         if mode not in TOOL_CHOICE_MODES:
             raise ValueError(f"tool choice mode {mode!r}: expected one of {TOOL_CHOICE_MODES}")
         if mode == "named" and not name:
@@ -51,6 +68,7 @@ class ToolChoiceForcer:
             raise ValueError("tool_choice 'required' needs at least one declared tool")
         enc = lambda segs: list(tokenizer.encode_segments(segs))  # noqa: E731
         self.mode, self.max_new = mode, max_new_tokens
+        self.args_room = args_room  # the shortest arguments a grammar allows (`_grammar.reply_room`)
         self.close_think, self.open_response = enc(close_tag("think")), enc(open_tag("response"))
         self.close_response, self.open_tools = enc(close_tag("response")), enc(open_tag("tools"))
         self.close_call = enc(close_tag("call"))
@@ -76,7 +94,7 @@ class ToolChoiceForcer:
         longest_name = max((len(tokenizer.encode_segments([Segment(escape_attr(n), False)])) for n in tool_names),
                            default=0)
         self.min_new_tokens = 0 if mode == "none" else len(way_in) + len(self.header_head) + len(self.tail) + (
-            0 if mode == "named" else longest_name + len(self.header_rest))
+            0 if mode == "named" else longest_name + len(self.header_rest)) + args_room
         if mode != "none" and opens_response:
             self._enter_tools(self.close_response + self.open_tools)
         self._check_budget()
@@ -104,11 +122,11 @@ class ToolChoiceForcer:
             return
         if self.phase == "wait":
             chain = self.close_think + self.open_response + self.close_response + self.open_tools
-            need = len(chain) + len(self.header_head) + len(self.header_rest) + len(self.tail) + 8
-            if remaining <= need:
-                self._enter_tools(chain)
+            need = len(chain) + len(self.header_head) + len(self.header_rest) + len(self.tail) + 8 + self.args_room
+            if remaining <= need:  # (the rest of a marker the model has begun, not a second one)
+                self._enter_tools(chain[_begun(self.generated, chain):])
         elif self.phase == "call" and remaining <= len(self.tail):
-            self.queue.extend(self.tail)
+            self.queue.extend(self.tail[_begun(self.generated, self.tail):])
             self._after_queue = "free"
             self.phase = "forcing"
             self.cut = True

@@ -10,6 +10,13 @@ in bytes; the least recently used snapshots go first.
 Lookup hashes the prompt's prefixes of each stored length only (few distinct lengths), then
 confirms the match token by token, so a hash collision can never resume the wrong state.
 
+Branch points: ``shared_length(prompt)`` is the longest prefix a prompt shares with any stored
+sequence. Where a new prompt leaves a stored one (many clients with one system prompt and tool
+list, different questions), the scheduler stores the state there too, while it prefills: the
+next prompt that shares that prefix resumes from it. A recurrent state cannot be cut out of a
+longer sequence afterwards, so the branch point is stored by the second prompt that reaches it,
+or by the first when the scheduler sees the others waiting behind it.
+
 Image prompts: the same token ids hold different states for different images, so a sequence
 is stored under `image_prefix_key` (each `<|media_pad|>` id replaced by its image's content
 hash and row); prompts without images are keyed by their ids as they are.
@@ -20,6 +27,8 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+
+import numpy as np
 
 from ._slots import Snapshot
 
@@ -95,7 +104,38 @@ class PrefixCache:
             self.misses += 1
             return None
 
+    def clear(self) -> None:
+        """Drop every snapshot (the counters stay)."""
+        with self._lock:
+            self._entries.clear()
+            self._lengths.clear()
+            self.bytes = 0
+
+    def shared_length(self, prompt: Sequence) -> int:
+        """The longest prefix `prompt` shares with a stored sequence (0 when none)."""
+        with self._lock:
+            stored = [s.tokens for s in self._entries.values()]
+        return max((common_prefix_length(tokens, prompt) for tokens in stored), default=0)
+
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """How many leading entries two token sequences (or prefix-cache keys) share."""
+    n = min(len(a), len(b))
+    x, y = _as_array(a[:n]), _as_array(b[:n])
+    if x is not None and y is not None:
+        differ = np.flatnonzero(x != y)
+        return int(differ[0]) if differ.size else n
+    return next((i for i, (p, q) in enumerate(zip(a[:n], b[:n])) if p != q), n)  # image keys: (digest, row)
+
+
+def _as_array(tokens: Sequence) -> np.ndarray | None:
+    """Token ids as an int64 array, or None for a key that holds image entries."""
+    try:
+        return np.asarray(tokens, np.int64)
+    except (TypeError, ValueError):
+        return None

@@ -13,7 +13,9 @@ the table, run by the same ``ProgramCache``.
 
 Sampling runs inside the first-token and decode programs with per-row arrays (``_sampling``)
 and per-row ``TokenRules`` (``_logits``); the caches and the sampler state (its ``seen``
-mask) are donated.
+mask) are donated. The scheduler runs a decode step as two programs, the forward pass
+(``decode_logits``) and its sampling (``sample``), so that the host builds the step's rules (a
+grammar's bitmask) while the device runs the forward pass.
 """
 
 from __future__ import annotations
@@ -146,6 +148,19 @@ def _decode(graphdef, backends, state, cache: Cache, token, sampler, rules: Toke
     return _sample(logits[:, 0], sampler, rules, with_logprobs, cache)
 
 
+def _decode_logits(graphdef, backends, state, cache: Cache, token) -> Prefilled:
+    """`_decode`'s forward pass alone: the logits of each row's next token `[B, V]` and the
+    continued cache. The scheduler samples them with ``_sample_logits`` once the host has built
+    the step's rules, which it does while this runs (a grammar's bitmask)."""
+    logits, cache = _step_logits(nnx.merge(graphdef, state), token[:, None], cache, backends)
+    return Prefilled(logits[:, 0], cache)
+
+
+def _sample_logits(logits, sampler, rules: TokenRules, with_logprobs: bool = False) -> Step:
+    """`_decode`'s sampling alone, on `_decode_logits`' logits."""
+    return _sample(logits, sampler, rules, with_logprobs)
+
+
 def _init_cache(config, batch: int, max_len: int) -> Cache:
     return constrain_cache(init_cache(config, batch, max_len))
 
@@ -208,6 +223,8 @@ PROGRAMS: dict[str, Program] = {
     "first": Program(_first, static=("with_logprobs",)),
     "decode": Program(_decode, static=("graphdef", "backends", "with_logprobs"), donate=("cache", "sampler"),
                       takes="model"),
+    "decode_logits": Program(_decode_logits, static=("graphdef", "backends"), donate=("cache",), takes="model"),
+    "sample": Program(_sample_logits, static=("with_logprobs",), donate=("sampler",)),
     "insert": Program(insert_row, donate=("cache",)),
     "compact": Program(compact_rows, donate=("cache",)),
     "extract": Program(extract_row),

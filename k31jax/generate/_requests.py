@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from ..chat import (K2StreamParser, K3StreamParser, ParsedMessage, ParseEvent, Segment, ThinkingBudget, ThinkPhase,
                    k3_last_channel)
+from ._grammar import OutputGrammar
 from ._sampling import SamplingParams
 
 FINISH_STOP = "stop"  # a stop id or stop string ended the row
@@ -43,10 +44,15 @@ class Request:
     healed_prefix    token healing (`heal_prompt`): the bytes of the token backed off the end of
                      `prompt`. The first generated token must start with them, and the text
                      leaves them out (the reader has them); needs a tokenizer.
-    snapshot_at      ``Scheduler`` only: also store the state after this many prompt tokens in
-                     its prefix cache. A server passes the end of the conversation when notes
-                     follow it (the tool-choice message), which the next turn does not repeat:
-                     that turn then still resumes the whole history.
+    snapshot_at      ``Scheduler`` only: also store the state after these numbers of prompt
+                     tokens in its prefix cache (an int or several). A server passes the end of
+                     the conversation when notes follow it (the tool-choice message), which the
+                     next turn does not repeat: that turn then still resumes the whole history;
+                     and the start of each new tool result, where a compacted history
+                     (``k31jax.chat.compact_history``) first differs.
+    grammar          ``Scheduler`` only: an ``OutputGrammar`` the reply must follow (the K3
+                     output structure, tool-call arguments valid against their schemas, JSON
+                     content); the prompt must end in a K3 generation prompt. None: free.
     """
 
     prompt: Sequence[int]
@@ -60,7 +66,8 @@ class Request:
     markup: str = "text"
     images: tuple = ()
     healed_prefix: bytes = b""
-    snapshot_at: int | None = None
+    snapshot_at: int | Sequence[int] = ()
+    grammar: OutputGrammar | None = None
 
     def __post_init__(self):
         if len(self.prompt) == 0:
@@ -74,10 +81,14 @@ class Request:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "images", tuple(self.images))
+        marks = (self.snapshot_at,) if isinstance(self.snapshot_at, int) else tuple(self.snapshot_at or ())
+        object.__setattr__(self, "snapshot_at", marks)
         if any(not (hasattr(im, "patches") and hasattr(im, "grid")) for im in self.images):
             raise ValueError("images must be processed images (k31jax.vision.preprocess_image / ImagePrompts)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.grammar is not None and self.chat_format != "k3":
+            raise ValueError("a grammar constrains K3 replies only (chat_format='k3')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,9 +17,17 @@ Warm-up: ``warmup()`` compiles every program from shapes alone before serving;
 request waits only for the programs it needs, the most needed compile first, and prefill uses
 the widths compiled so far; ``Warmup`` says what is left).
 
+Decode steps run as two programs, the forward pass and its sampling: the host builds the step's
+``TokenRules`` in between, while the device runs the forward pass. A row with a grammar
+(``Request.grammar``, ``_grammar``) gets its next-token bitmask there, from llguidance (checked at
+``submit``: a schema it cannot compile is the caller's ``ValueError``).
+
 Prefix reuse: at each prompt end and turn end the row's state is snapshotted into a
-``PrefixCache`` (and at ``Request.snapshot_at``, the end of a conversation that closing notes
-follow); a request whose prompt extends a stored sequence restores it and prefills only the rest.
+``PrefixCache``; also at ``Request.snapshot_at`` (the end of a conversation that closing notes
+follow, the start of a tool result that a compaction may replace) and where a prompt leaves a
+stored or a waiting one (a branch point: the system prompt and tools many clients share, stored
+by the first client whose prompt shows them shared and resumed by the rest). A request whose prompt extends a stored
+sequence restores it and prefills only the rest.
 
 Results go to a per-request ``sink`` (called on the scheduler thread): ``TokenEvent`` per
 generated token, then ``Finished`` or ``Failed``. ``Handle.cancel()`` (a client that went away)
@@ -37,6 +45,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import queue
 import threading
 import time
@@ -46,12 +55,13 @@ import jax
 import numpy as np
 
 from ._forcing import ToolChoiceForcer
+from ._grammar import GrammarCompiler, RowGrammar
 from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
 from ._healing import first_token_mask
 from ._images import chunk_splice, image_digest
-from ._logits import TokenRules
+from ._logits import TokenRules, bitmask_words, pack_mask
 from ._multihost import to_host
-from ._prefix import PrefixCache, image_prefix_key
+from ._prefix import PrefixCache, common_prefix_length, image_prefix_key
 from ._programs import Logprobs, shapes_of
 from ._requests import FINISH_LENGTH, Request, RowController
 from ._sampling import SamplingParams
@@ -66,6 +76,7 @@ class _Row:
     handle: Handle
     ctl: RowController
     forcer: ToolChoiceForcer | None
+    grammar: RowGrammar | None
     prompt_tokens: int
     cached_tokens: int
     t_first: float
@@ -83,7 +94,7 @@ class _Prefill:
     key: tuple = ()  # the prompt's prefix-cache key (`image_prefix_key`)
     image_rows: np.ndarray | None = None  # the request's projected image rows [M, D]
     next_row: list = dataclasses.field(default_factory=lambda: [0])  # first image row not yet spliced
-    history_chunk: int | None = None  # after this call the prompt's first `snapshot_at` tokens are stored
+    snapshots: dict[int, int] = dataclasses.field(default_factory=dict)  # after call i, store the first n tokens
 
 
 def prefill_widths(chunk: int) -> list[int]:
@@ -141,13 +152,17 @@ class Scheduler:
     prefill_chunk       prefill call width (default: the engine's, at most 256).
     prefix_cache_bytes  bound of the session snapshot LRU (0 = off).
     min_snapshot        sequences shorter than this are not snapshotted.
+    min_branch          a prompt that leaves a stored sequence is snapshotted where it leaves
+                        it when they share at least this many tokens (a system prompt and tool
+                        list; shorter shared heads, such as the chat template's, are not worth a
+                        snapshot).
     sync                multi-host serving (``ProcessSync``): process 0 runs the loop and
                         broadcasts each turn's plan; the other processes run ``follow()``.
     """
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, prefix_cache_bytes: int = 256 << 20,
-                 min_snapshot: int = 16, sync=None):
+                 min_snapshot: int = 16, min_branch: int = 256, sync=None):
         if engine.tokenizer is None:
             raise ValueError("the scheduler needs an Engine built with a tokenizer")
         if max_batch < 1 or max_queue < 1 or min_snapshot < 1:
@@ -156,7 +171,7 @@ class Scheduler:
         self.tokenizer = engine.tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.chunk = prefill_chunk or min(engine.prefill_chunk, 256)
-        self.min_snapshot = min_snapshot
+        self.min_snapshot, self.min_branch = min_snapshot, min_branch
         self._sync = sync
         # The caller's sharding context, for the loop thread: jax keeps the mesh of
         # `jax.set_mesh` per thread and k31jax's rule table is a context variable; programs
@@ -181,6 +196,11 @@ class Scheduler:
         self.ttft_seconds: collections.deque[float] = collections.deque(maxlen=1024)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self._warmup: Warmup | None = None
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self.grammar_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # per masked row-step
+        # (seconds, rows) of recent decode steps: dispatch to every row's token handled
+        self.step_seconds: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         self._reset_device_state()
 
     @property
@@ -257,20 +277,25 @@ class Scheduler:
             return core.prefill(scratch, core.prefill_call(np.zeros((1, width), np.int32), np.ones((1, width), bool)))
 
         def first():
-            rules = _token_rules([(None, None)]).with_mask(first_token_mask(self.tokenizer, [b""], self.vocab))
-            return core.first(prefill().logits, [SamplingParams()], [[0]], rules, with_logprobs=True)
+            return core.first(prefill().logits, [SamplingParams()], [[0]], self._token_rules([None]),
+                              with_logprobs=True)
+
+        def forward():
+            return core.decode_logits(cache, np.zeros((b,), np.int32))
 
         def decode():
-            return core.decode(cache, np.zeros((b,), np.int32), sampler, _token_rules([(None, None)] * b),
-                               with_logprobs=True)
+            return core.sample(forward().logits, sampler, self._token_rules([None] * b), with_logprobs=True)
 
-        steps = [(f"prefill {self.chunk}", prefill), ("decode", decode), ("first token", first),
+        def decode_cache():
+            return forward().cache
+
+        steps = [(f"prefill {self.chunk}", prefill), ("decode", forward), ("sample", decode), ("first token", first),
                  ("insert", lambda: core.insert(cache, prefill().cache, 0, 0)),
                  ("sampler insert", lambda: core.insert_sampler_row(sampler, first().sampler, 0)),
                  ("prompt snapshot", lambda: core.compile_snapshot(prefill().cache)),
-                 ("turn-end snapshot", lambda: core.compile_snapshot(decode().cache)),
+                 ("turn-end snapshot", lambda: core.compile_snapshot(decode_cache())),
                  ("restore", lambda: core.compile_restore(core.compile_snapshot(prefill().cache), self.scratch_len)),
-                 ("compact", lambda: core.compact(decode().cache, np.zeros((b,), bool)))]
+                 ("compact", lambda: core.compact(decode_cache(), np.zeros((b,), bool)))]
         return steps + [(f"prefill {w}", functools.partial(prefill, w)) for w in prefill_widths(self.chunk)[1:]]
 
     # ---- submission ---------------------------------------------------------------------
@@ -287,13 +312,16 @@ class Scheduler:
     def submit(self, req: Request, *, tool_choice: ToolChoice | None = None, logprobs: bool = False,
                sink: Callable[[object], None] | None = None) -> Handle:
         self.check(req)
+        # A grammar is compiled here, on the caller's thread: a bad schema is the caller's error.
+        args_room = 0 if req.grammar is None else self.grammar_compiler.room(req.grammar, req.prompt)
         if tool_choice is not None and tool_choice.mode != "none":
             room = ToolChoiceForcer(self.tokenizer, tool_choice.mode, tool_names=tool_choice.names,
                                     name=tool_choice.name, prompt_ids=req.prompt,
-                                    max_new_tokens=req.max_new_tokens).min_new_tokens
+                                    max_new_tokens=req.max_new_tokens, args_room=args_room).min_new_tokens
             if req.max_new_tokens < room:
+                what = "with its shortest valid arguments" if args_room else "alone, its arguments more"
                 raise ValueError(f"max_tokens {req.max_new_tokens} is too small for the forced tool call: its "
-                                 f"markup alone takes up to {room} tokens, its arguments more")
+                                 f"markup {what} takes up to {room} tokens")
         with self._lock:
             if self._queued >= self.max_queue:
                 raise QueueFullError(f"{self._queued} requests waiting (max_queue={self.max_queue})")
@@ -302,6 +330,14 @@ class Scheduler:
         self._inbox.put(h)
         self._wake.set()
         return h
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """llguidance for this scheduler's tokenizer, built at the first grammar request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer)
+            return self._grammars
 
     @property
     def queue_depth(self) -> int:
@@ -377,8 +413,13 @@ class Scheduler:
         try:
             self._admit(new, cancelled)
             if self._prefill is not None:
+                # While rows decode, one call per turn; a resumed prompt's short rest (up to one
+                # chunk, in a few narrower calls) goes at once: spread over turns, each of its
+                # calls would wait a decode step.
+                p = self._prefill
+                rest = sum(t.shape[1] for t, _ in p.chunks[p.next_chunk:])
                 decoding = any(r is not None for r in self.rows)
-                self._prefill_step(all_chunks=not decoding)
+                self._prefill_step(all_chunks=not decoding or rest <= self.chunk)
             if any(r is not None for r in self.rows):
                 self._decode_step()
         except Exception as exc:  # fail every request in flight and start clean
@@ -421,32 +462,47 @@ class Scheduler:
         pad_id = self.core.media_pad_id
         key = image_prefix_key(prompt, pad_id, [(image_digest(im), im.num_tokens) for im in req.images])
         snap = self.prefix.longest_prefix(key) if self.prefix.max_bytes else None
-        planned = self._plan_prefill(prompt, len(snap.tokens), req.snapshot_at) if snap is not None else None
+        marks = list(req.snapshot_at)
+        if self.prefix.max_bytes:  # where this prompt leaves a stored or a waiting one (a shared system prompt)
+            waiting = [w.request.prompt for w in itertools.islice(self._waiting, 16) if not w.request.images]
+            branch = max([self.prefix.shared_length(key), *(common_prefix_length(key, w) for w in waiting)])
+            if branch >= self.min_branch:
+                marks.append(branch)
+        planned = self._plan_prefill(prompt, len(snap.tokens), marks) if snap is not None else None
         if planned is None:  # nothing stored, or (warm-up) a resumed plan needs a width not compiled yet
-            snap, planned = None, self._plan_prefill(prompt, 0, req.snapshot_at)
+            snap, planned = None, self._plan_prefill(prompt, 0, marks)
         if snap is not None:
             scratch, cached = self.core.restore(snap, self.scratch_len), len(snap.tokens)
         else:
             scratch, cached = self.core.new_cache(1, self.scratch_len), 0
-        chunks, history_chunk = planned
+        chunks, snapshots = planned
         rows = self.core.image_rows(req)  # the vision model, once per request
         first_row = sum(t == pad_id for t in prompt[:cached]) if rows is not None else 0
         self._prefill = _Prefill(h, scratch, chunks, cached, key=key, image_rows=rows, next_row=[first_row],
-                                 history_chunk=history_chunk)
+                                 snapshots=snapshots)
 
-    def _plan_prefill(self, prompt: list[int], cached: int, history: int | None):
-        """(prefill calls for `prompt[cached:]`, the call after which its first `history` tokens
-        are snapshotted, or None), or None when a resumed prompt needs a width the warm-up has
-        not compiled yet. The calls split at `history` when it lies inside the uncached part."""
+    def _plan_prefill(self, prompt: list[int], cached: int, marks: Sequence[int]):
+        """(prefill calls for `prompt[cached:]`, {call index: n} to snapshot the prompt's first n
+        tokens after that call), or None when a resumed prompt needs a width the warm-up has not
+        compiled yet. The calls split at each mark (``Request.snapshot_at``, the point where the
+        prompt leaves a stored sequence) that lies inside the uncached part and is long enough
+        to store."""
         widths = self._usable_widths()
-        if (history is not None and cached < history < len(prompt) and history >= self.min_snapshot
-                and self.prefix.max_bytes):
-            head = plan_chunks(prompt[cached:history], self.chunk, resumed=cached > 0, widths=widths)
-            tail = plan_chunks(prompt[history:], self.chunk, resumed=True, widths=widths)
-            if head is not None and tail is not None:
-                return head + tail, len(head) - 1
-        chunks = plan_chunks(prompt[cached:], self.chunk, resumed=cached > 0, widths=widths)
-        return None if chunks is None else (chunks, None)
+        stops = sorted({m for m in marks if cached < m < len(prompt) and m >= self.min_snapshot}
+                       if self.prefix.max_bytes else ())
+        for split in (stops, []):  # (while the warm-up runs, a split may need a width not compiled yet)
+            chunks, snapshots, start = [], {}, cached
+            for end in [*split, len(prompt)]:
+                part = plan_chunks(prompt[start:end], self.chunk, resumed=start > 0, widths=widths)
+                if part is None:
+                    break
+                chunks += part
+                if end < len(prompt):
+                    snapshots[len(chunks) - 1] = end
+                start = end
+            else:
+                return chunks, snapshots
+        return None
 
     def _usable_widths(self) -> set[int] | None:
         """The prefill widths a plan may use: while a background warm-up runs, those compiled
@@ -466,8 +522,8 @@ class Scheduler:
                 spliced = chunk_splice(splice_ids, [p.image_rows], p.next_row, self.core.media_pad_id)
             prefilled = self.core.prefill(p.scratch, self.core.prefill_call(tokens, valid, splice_ids, spliced))
             p.logits, p.scratch = prefilled.logits, prefilled.cache
-            if p.next_chunk == p.history_chunk:  # the conversation so far, before its closing notes
-                self.prefix.put(self.core.snapshot(p.scratch, 0, p.key[:p.handle.request.snapshot_at]))
+            if p.next_chunk in p.snapshots:  # a conversation before its closing notes, a shared prefix
+                self.prefix.put(self.core.snapshot(p.scratch, 0, p.key[:p.snapshots[p.next_chunk]]))
             p.next_chunk += 1
             if not all_chunks:
                 break
@@ -480,18 +536,22 @@ class Scheduler:
         slot = self.rows.index(None)
         ctl = self.core.controller(slot, req)
         tc = h.tool_choice
+        args_room = 0 if req.grammar is None else self.grammar_compiler.room(req.grammar, req.prompt)
         forcer = None if tc is None else ToolChoiceForcer(
             self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
-            max_new_tokens=req.max_new_tokens)
+            max_new_tokens=req.max_new_tokens, args_room=args_room)
+        grammar = (None if req.grammar is None
+                   else self.grammar_compiler.row(req.grammar, req.prompt, req.max_new_tokens))
         n = len(req.prompt)
-        rules = _token_rules([(ctl, forcer)]).with_mask(first_token_mask(self.tokenizer, [req.healed_prefix],
-                                                                         self.vocab))
+        row = _Row(h, ctl, forcer, grammar, n, p.cached_tokens, 0.0, key=p.key)
+        self.stats["grammar_requests"] += grammar is not None
+        rules = self._token_rules([row], healed=[req.healed_prefix])
         step = self.core.first(p.logits, [req.params], [req.prompt], rules, with_logprobs=True)
         self.pos = max(self.pos, n)
         self.cache = self.core.insert(self.cache, p.scratch, slot, self.pos)
         self.sampler = self.core.insert_sampler_row(self.sampler, step.sampler, slot)
         tok = int(to_host(step.token)[0])
-        row = _Row(h, ctl, forcer, n, p.cached_tokens, time.perf_counter(), key=p.key)
+        row.t_first = time.perf_counter()
         self.rows[slot] = row
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += n
@@ -503,6 +563,25 @@ class Scheduler:
         if n >= self.min_snapshot and self.prefix.max_bytes:
             self.prefix.put(self.core.snapshot(p.scratch, 0, p.key))
 
+    def _token_rules(self, rows: Sequence[_Row | None], healed: Sequence[bytes] | None = None) -> TokenRules:
+        """The rules of each row's next token: forced / allowed / banned ids (``_row_rules``)
+        and a bitmask, every id allowed but where a grammar row's matcher or token healing
+        (`healed`: each row's healed prefix, first token only) says otherwise."""
+        rules = _row_rules(rows)
+        if healed is not None and any(healed):
+            bitmask = pack_mask(first_token_mask(self.tokenizer, healed, self.vocab))
+        else:
+            bitmask = np.full((len(rows), bitmask_words(self.vocab)), -1, np.int32)
+        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r is not None and r.grammar is not None
+                    and rules.force[i] < 0 and not r.grammar.broken]
+        if grammars:
+            t0 = time.perf_counter()
+            masks = np.full((len(rows), bitmask.shape[1]), -1, np.int32)
+            self.grammar_compiler.fill(grammars, masks)
+            bitmask &= masks
+            self.grammar_seconds.extend([(time.perf_counter() - t0) / len(grammars)] * len(grammars))
+        return rules.with_bitmask(bitmask)
+
     # ---- decode -------------------------------------------------------------------------
     def _decode_step(self) -> None:
         live = np.asarray([r is not None for r in self.rows])
@@ -510,15 +589,20 @@ class Scheduler:
             self.cache = self.core.compact(self.cache, live)
             self.pos = int(to_host(self.cache.pos))
             self.stats["compactions"] += 1
-        rules = _token_rules([(r.ctl, r.forcer) if r is not None else (None, None) for r in self.rows])
-        step = self.core.decode(self.cache, self.host_tokens, self.sampler, rules, with_logprobs=True)
-        self.cache, self.sampler = step.cache, step.sampler
+        # The forward pass is dispatched first; the rules (a grammar's bitmask) are built on the
+        # host while it runs, then sampled on.
+        t0 = time.perf_counter()
+        forward = self.core.decode_logits(self.cache, self.host_tokens)
+        rules = self._token_rules(self.rows)
+        step = self.core.sample(forward.logits, self.sampler, rules, with_logprobs=True)
+        self.cache, self.sampler = forward.cache, step.sampler
         self.pos += 1
         host = to_host(step.token)
         self._token_times.append((time.perf_counter(), int(live.sum())))
         for slot, r in enumerate(self.rows):
             if r is not None:
                 self._push(slot, int(host[slot]), step.logprobs, slot)
+        self.step_seconds.append((time.perf_counter() - t0, int(live.sum())))
 
     def _push(self, slot: int, tok: int, lp: Logprobs, lp_row: int) -> None:
         r = self.rows[slot]
@@ -526,6 +610,10 @@ class Scheduler:
         delta = r.ctl.push(tok)
         if r.forcer is not None:
             r.forcer.push(tok)
+        if r.grammar is not None and not r.grammar.broken:
+            r.grammar.push(tok)
+            if r.grammar.broken:  # a forced id the grammar refused (a budget cut the reply short)
+                self.stats["grammar_broken"] += 1
         logprob = None
         if r.handle.logprobs:
             chosen, top_ids, top_lp = to_host(lp.chosen), to_host(lp.top_ids), to_host(lp.top)
@@ -551,23 +639,23 @@ class Scheduler:
                                r.t_first - r.handle.submitted, now - r.handle.submitted))
 
 
-def _token_rules(rows: Sequence[tuple[RowController | None, ToolChoiceForcer | None]]) -> TokenRules:
-    """Each row's rules for its next token (``MAX_ALLOWED`` allowed and ``MAX_BANNED`` banned
-    ids at most): the thinking budget's forced id first, then the tool-choice forcer's."""
+def _row_rules(rows: Sequence[_Row | None]) -> TokenRules:
+    """Each row's forced / allowed / banned ids for its next token (``MAX_ALLOWED`` allowed and
+    ``MAX_BANNED`` banned ids at most): the thinking budget's forced id first, then the
+    tool-choice forcer's."""
     b = len(rows)
     force = np.full((b,), -1, np.int32)
     allowed = np.full((b, MAX_ALLOWED), -1, np.int32)
     banned = np.full((b, MAX_BANNED), -1, np.int32)
-    for i, (ctl, forcer) in enumerate(rows):
-        if ctl is None:
+    for i, row in enumerate(rows):
+        if row is None:
             continue
-        force[i] = ctl.force()
-        if force[i] >= 0 or forcer is None:
+        force[i] = row.ctl.force()
+        if force[i] >= 0 or row.forcer is None:
             continue
-        f, allow, ban = forcer.constraint()
+        f, allow, ban = row.forcer.constraint()
         force[i] = f
         if allow is not None and len(allow) <= MAX_ALLOWED:
             allowed[i, :len(allow)] = allow
         banned[i, :min(len(ban), MAX_BANNED)] = ban[:MAX_BANNED]
     return TokenRules(force, allowed, banned)
-

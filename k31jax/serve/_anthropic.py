@@ -8,10 +8,13 @@ Effort: ``output_config.effort`` (low → low, medium / high → high, max → m
 ``_protocol.ANTHROPIC_EFFORTS``); ``thinking: {"type": "disabled"}`` turns thinking off and
 ``{"type": "enabled", "budget_tokens": N}`` caps it at N tokens and, without an explicit effort,
 sets one from N (``_protocol.BUDGET_EFFORTS``: below 4096 low, below 16384 high, else max).
-``tool_choice.disable_parallel_tool_use`` returns the first call only. User ``image`` blocks
-(``source.type: base64``) go to the prompt as they are (``_protocol.RequestImages``). Fields this
-server cannot honour (structured output, server tools, MCP servers, containers, context
-management) are refused with a 400 naming them (``MESSAGES_UNSUPPORTED``).
+``tool_choice.disable_parallel_tool_use`` returns the first call only. Structured output
+(``output_config.format`` or ``output_format``: ``{"type": "json_schema", "schema": ...}``) and
+``tools[].strict`` (the call's ``input`` valid against ``input_schema``) are held by constrained
+decoding (``_protocol.output_grammar``). User ``image`` blocks (``source.type: base64``) go to
+the prompt as they are (``_protocol.RequestImages``). Fields this server cannot honour (server
+tools, MCP servers, containers, context management) are refused with a 400 naming them
+(``MESSAGES_UNSUPPORTED``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any
 from ..chat import ParsedMessage
 from ..generate import Request
 from ._protocol import (ANTHROPIC_EFFORTS, GenSpec, RequestImages, budget_effort, check_context, effort_settings,
-                        get, in_range, invalid, max_tool_calls, refuse_unsupported, render_prompt, sampling,
-                        stop_list, tool_choice_spec)
+                        get, in_range, invalid, max_tool_calls, output_grammar, refuse_unsupported, render_prompt,
+                        sampling, stop_list, tool_choice_spec)
 
 STOP_REASON = {"length": "max_tokens"}
 
@@ -134,7 +137,10 @@ def _tools(body) -> list[dict[str, Any]] | None:
             raise invalid(f"tools.{i}.type = {t['type']!r} is not supported: this server runs no server tools "
                           "(web search, code execution, ...); declare custom tools with an input_schema",
                           f"tools.{i}.type")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        schema = get(t, "input_schema", dict, {"type": "object"}, where=f"tools.{i}.")
+        fn = {"name": t["name"], "parameters": schema}
+        if get(t, "strict", bool, False, where=f"tools.{i}."):
+            fn["strict"] = True
         if t.get("description"):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
@@ -162,10 +168,8 @@ def _tool_choice(body) -> Any:
     raise invalid(f"tool_choice.type must be auto, any, tool or none; got {kind!r}", "tool_choice.type")
 
 
-_NO_JSON = "this server does not constrain output to JSON yet: parse the reply yourself"
 # Fields that change what the client gets, refused rather than ignored; (name, accepted, why).
 MESSAGES_UNSUPPORTED = (
-    ("output_format", lambda v: False, _NO_JSON),
     ("mcp_servers", lambda v: v == [], "this server connects to no MCP servers"),
     ("container", lambda v: False, "this server runs no code execution container"),
     ("context_management", lambda v: False, "this server does not edit the context"),
@@ -176,7 +180,6 @@ def _thinking(body) -> tuple[bool, str | None, int | None]:
     """(thinking, effort, budget) from `thinking` and `output_config.effort` (module docstring)."""
     cfg = get(body, "thinking", dict, {})
     output_config = get(body, "output_config", dict, {})
-    refuse_unsupported(output_config, (("format", lambda v: False, _NO_JSON),), "output_config.")
     effort = get(output_config, "effort", str, where="output_config.")
     kind = get(cfg, "type", str, "enabled", where="thinking.")
     if kind not in ("enabled", "disabled", "adaptive"):
@@ -190,7 +193,24 @@ def _thinking(body) -> tuple[bool, str | None, int | None]:
     return (*effort_settings(effort, "output_config.effort", ANTHROPIC_EFFORTS), budget)
 
 
-def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None) -> GenSpec:
+def _output_schema(body) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the JSON schema of structured output: ``output_config.format`` or the beta
+    ``output_format``, the chat template's ``response_format`` telling the model), or Nones."""
+    output_config = get(body, "output_config", dict, {})
+    where = "output_config.format" if output_config.get("format") is not None else "output_format"
+    fmt = get(output_config, "format", dict) or get(body, "output_format", dict)
+    if fmt is None:
+        return None, None
+    if fmt.get("type") != "json_schema":
+        raise invalid(f"{where}.type must be 'json_schema', got {fmt.get('type')!r}", f"{where}.type")
+    schema = get(fmt, "schema", dict, required=True, where=f"{where}.")
+    return schema, {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None,
+                  grammar: bool = True) -> GenSpec:
+    """A Messages request; `grammar`: hold the reply to its strict tools and structured output
+    by constrained decoding."""
     refuse_unsupported(body, MESSAGES_UNSUPPORTED)
     messages = to_openai_messages(body)
     max_tokens = get(body, "max_tokens", int, required=True)
@@ -198,6 +218,7 @@ def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir
     tools = _tools(body)
     thinking, effort, budget = _thinking(body)
     template_choice, forced = tool_choice_spec(_tool_choice(body), tools, "tool_choice")
+    content_schema, response_format = _output_schema(body)
     temperature = get(body, "temperature", float)
     in_range("temperature", temperature, 0, 1)
     top_p = get(body, "top_p", float)
@@ -208,12 +229,14 @@ def messages_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir
     get(body, "stream", bool)
     images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                           tool_choice=template_choice, images=images)
+                           tool_choice=template_choice, images=images, response_format=response_format)
     max_tokens = check_context(len(prompt.ids), max_tokens, max_len, "max_tokens")
+    parallel = _parallel(body)
     req = Request(prompt.ids, sampling(temperature, top_p, top_k, get(body, "seed", int)), max_tokens, None,
                   stop, budget, parse=True, chat_format="k3", markup="ids", images=tuple(images.images),
-                  snapshot_at=prompt.history)
-    return GenSpec(req, forced, max_tool_calls(forced, _parallel(body)), False, 0)
+                  snapshot_at=prompt.marks,
+                  grammar=output_grammar(tools, forced, parallel, content_schema) if grammar else None)
+    return GenSpec(req, forced, max_tool_calls(forced, parallel), False, 0)
 
 
 def count_tokens(body: Mapping[str, Any], tokenizer, *, image_dir: str | None = None) -> int:
@@ -222,7 +245,8 @@ def count_tokens(body: Mapping[str, Any], tokenizer, *, image_dir: str | None = 
     thinking, effort, _ = _thinking(body)
     template_choice, _ = tool_choice_spec(_tool_choice(body), tools, "tool_choice")
     return len(render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                             tool_choice=template_choice, images=RequestImages(image_dir)).ids)
+                             tool_choice=template_choice, images=RequestImages(image_dir),
+                             response_format=_output_schema(body)[1]).ids)
 
 
 # ---- responses ---------------------------------------------------------------------------

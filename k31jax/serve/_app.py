@@ -15,6 +15,7 @@ line per request: method, path, status, seconds, tokens) is on unless ``access_l
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -29,6 +30,7 @@ from ..chat import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStar
 from ..generate import Failed, Finished, QueueFullError, Scheduler, TokenEvent
 from . import _anthropic as anth
 from . import _openai as oai
+from . import _responses as rsp
 from ._metrics import render_metrics
 from ._protocol import APIError, GenSpec, get, invalid
 
@@ -57,6 +59,7 @@ class ServeSettings:
     image_dir: str | None = None  # local image files are read only below this folder (None: none)
     default_max_tokens: int | None = 1024  # chat completions without max_tokens (None: the rest of the context)
     access_log: bool = True
+    grammar: bool = True  # hold replies to their tools' schemas and JSON formats (constrained decoding)
 
 
 class _AccessLog:
@@ -109,13 +112,15 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
         app.add_middleware(_AccessLog)
     tok = scheduler.tokenizer
     max_len = scheduler.max_len
+    stored = rsp.ResponseStore()
+    ttft_by_endpoint: dict[str, collections.deque] = {}  # recent times to first token per route
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return JSONResponse(error_body(request.url.path, err), status_code=err.status, headers=err.headers)
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        """Auth, size limit, JSON object, known model."""
+    async def body_of(request: Request, model_required: bool = True) -> dict[str, Any]:
+        """Auth, size limit, JSON object, known model (when one is named or `model_required`)."""
         check_key(request)
         limit = settings.max_body_bytes
         declared = request.headers.get("content-length")
@@ -132,8 +137,8 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
             raise invalid(f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")
-        model = get(body, "model", str, required=True)
-        if model != settings.model_name:
+        model = get(body, "model", str, required=model_required)
+        if model is not None and model != settings.model_name:
             raise APIError("not_found", f"model '{model}' does not exist; this server serves "
                                         f"'{settings.model_name}'", param="model")
         return body
@@ -147,12 +152,18 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
             raise APIError("authentication", "invalid or missing API key (send 'Authorization: Bearer KEY' "
                                              "or 'x-api-key: KEY')")
 
-    def submit(spec: GenSpec) -> tuple[Any, asyncio.Queue]:
+    def submit(spec: GenSpec, request: Request) -> tuple[Any, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
+        ttft = ttft_by_endpoint.setdefault(request.url.path, collections.deque(maxlen=1024))
+
+        def sink(item) -> None:  # on the scheduler thread
+            if isinstance(item, Finished):
+                ttft.append(item.ttft_seconds)
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
         try:
-            handle = scheduler.submit(spec.request, tool_choice=spec.tool_choice, logprobs=spec.logprobs,
-                                      sink=lambda item: loop.call_soon_threadsafe(out.put_nowait, item))
+            handle = scheduler.submit(spec.request, tool_choice=spec.tool_choice, logprobs=spec.logprobs, sink=sink)
         except QueueFullError as e:
             raise APIError("rate_limit", f"the server is busy ({e}); retry later",
                            headers={"Retry-After": str(settings.retry_after_s)}) from None
@@ -205,7 +216,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(scheduler), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(scheduler, ttft_by_endpoint), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -219,8 +230,8 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     async def chat_completions(request: Request):
         body = await body_of(request)
         spec = oai.chat_spec(body, tok, max_len, image_dir=settings.image_dir,
-                             default_max_tokens=settings.default_max_tokens)
-        handle, out = submit(spec)
+                             default_max_tokens=settings.default_max_tokens, grammar=settings.grammar)
+        handle, out = submit(spec, request)
         rid, created, model = oai.new_id("chatcmpl"), oai.now(), settings.model_name
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -261,7 +272,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     async def completions(request: Request):
         body = await body_of(request)
         spec = oai.completion_spec(body, tok, max_len)
-        handle, out = submit(spec)
+        handle, out = submit(spec, request)
         rid, created, model = oai.new_id("cmpl"), oai.now(), settings.model_name
         if body.get("stream"):
             async def gen():
@@ -291,12 +302,84 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
         return oai.completion_response(rid, model, created, c.text, oai.finish_reason(c.finish_reason, None),
                                        oai.usage(c.prompt_tokens, len(c.tokens), fin.cached_tokens), lps)
 
+    # ---- OpenAI Responses ------------------------------------------------------------------
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await body_of(request)
+        spec, conversation = rsp.responses_spec(body, tok, max_len, stored, image_dir=settings.image_dir,
+                                                default_max_tokens=settings.default_max_tokens,
+                                                grammar=settings.grammar)
+        handle, out = submit(spec, request)
+        rid, created, model = rsp.new_id("resp"), rsp.now(), settings.model_name
+        if body.get("stream"):
+            return _sse(_responses_stream(request, body, spec, conversation, handle, out, rid, created, model))
+        fin, _ = await collect(handle, out)
+        c = fin.completion
+        _note_usage(request, c.prompt_tokens, len(c.tokens), fin.cached_tokens)
+        calls = spec.calls(c.parsed)
+        return finish_response(body, conversation, c, fin, rid, created, model, rsp.output_items(c.parsed, calls))
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(rid: str, request: Request):
+        check_key(request)
+        return stored.get(rid)[0]
+
+    @app.post("/v1/responses/{rid}/compact")
+    async def compact_response(rid: str, request: Request):
+        return rsp.compact(stored, rid, await body_of(request, model_required=False), tok, settings.model_name)
+
+    def finish_response(body, conversation, c, fin, rid, created, model, output) -> dict[str, Any]:
+        """The final response object (stored with its conversation unless `store` is false)."""
+        status, incomplete = rsp.status_of(c.finish_reason)
+        reasoning = c.thinking_tokens if c.thinking_tokens is not None else (
+            len(tok.encode(c.parsed.reasoning_content)) if c.parsed.reasoning_content else 0)
+        response = rsp.response_object(rid, model, created, body, output, status,
+                                       rsp.usage(c.prompt_tokens, len(c.tokens), fin.cached_tokens, reasoning),
+                                       incomplete)
+        if body.get("store", True):
+            calls = [item for item in output if item["type"] == "function_call"]
+            reply = rsp.assistant_message(c.parsed, [SimpleCall(i["call_id"], i["name"], i["arguments"])
+                                                     for i in calls])
+            stored.put(response, conversation + [reply])
+        return response
+
+    async def written(request, spec, handle, out, writer, finish) -> AsyncIterator[str]:
+        """A stream of `writer`'s events: each step's parser events fed to it, then, once the
+        request finished, its last events (`writer.finish()`) and `finish(completion, Finished)`'s."""
+        async for item in events(handle, out):
+            if isinstance(item, Finished):
+                c = item.completion
+                _note_usage(request, c.prompt_tokens, len(c.tokens), item.cached_tokens)
+                for line in [*writer.finish(), *finish(c, item)]:
+                    yield line
+                return
+            for ev in item.delta.events:
+                for line in writer.feed(ev, spec):
+                    yield line
+
+    async def _responses_stream(request, body, spec, conversation, handle, out, rid, created, model):
+        writer = _ItemWriter()
+        start = rsp.response_object(rid, model, created, body, [], "in_progress", None)
+        yield writer.event("response.created", {"response": start})
+        yield writer.event("response.in_progress", {"response": start})
+
+        def finish(c, fin) -> list[str]:
+            final = finish_response(body, conversation, c, fin, rid, created, model, writer.items)
+            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+            return [writer.event(kind, {"response": final})]
+
+        try:
+            async for line in written(request, spec, handle, out, writer, finish):
+                yield line
+        except APIError as e:
+            yield writer.event("error", {"code": e.kind, "message": e.message, "param": e.param})
+
     # ---- Anthropic -------------------------------------------------------------------------
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = await body_of(request)
-        spec = anth.messages_spec(body, tok, max_len, image_dir=settings.image_dir)
-        handle, out = submit(spec)
+        spec = anth.messages_spec(body, tok, max_len, image_dir=settings.image_dir, grammar=settings.grammar)
+        handle, out = submit(spec, request)
         mid, model = anth.new_id(), settings.model_name
         if body.get("stream"):
             return _sse(_messages_stream(request, spec, handle, out, mid, model))
@@ -311,22 +394,15 @@ def create_app(scheduler: Scheduler, settings: ServeSettings) -> FastAPI:
     async def _messages_stream(request, spec, handle, out, mid, model):
         n_prompt = len(spec.request.prompt)
         yield anth.event("message_start", {"message": anth.message(mid, model, [], None, None, n_prompt, 0, 0)})
-        blocks = _BlockWriter()
+        def finish(c, fin) -> list[str]:
+            reason, seq = anth.stop_reason(c.finish_reason, c.stop, spec.calls(c.parsed))
+            return [anth.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                 "usage": {"output_tokens": len(c.tokens)}}),
+                    anth.event("message_stop", {})]
+
         try:
-            async for item in events(handle, out):
-                if isinstance(item, Finished):
-                    c = item.completion
-                    _note_usage(request, c.prompt_tokens, len(c.tokens), item.cached_tokens)
-                    for s in blocks.close():
-                        yield s
-                    reason, seq = anth.stop_reason(c.finish_reason, c.stop, spec.calls(c.parsed))
-                    yield anth.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                       "usage": {"output_tokens": len(c.tokens)}})
-                    yield anth.event("message_stop", {})
-                    return
-                for ev in item.delta.events:
-                    for s in blocks.feed(ev, spec):
-                        yield s
+            async for line in written(request, spec, handle, out, _BlockWriter(), finish):
+                yield line
         except APIError as e:
             yield f"event: error\ndata: {json.dumps(error_body('/v1/messages', e))}\n\n"
 
@@ -365,6 +441,95 @@ def _chat_delta(evs, spec: GenSpec) -> dict[str, Any]:
     return delta
 
 
+@dataclasses.dataclass(frozen=True)
+class SimpleCall:
+    """A returned call as `_openai.chat_message` reads it (id, name, arguments)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class _ItemWriter:
+    """Responses stream events: output items in order (reasoning → message → function calls),
+    one open at a time, each added, filled by deltas and done; every event numbered."""
+
+    def __init__(self):
+        self.items: list[dict[str, Any]] = []  # output items, final once done
+        self.open: str | None = None
+        self.calls: dict[int, int] = {}  # parser call index -> output index
+        self.seq = 0
+
+    def event(self, kind: str, data: dict[str, Any]) -> str:
+        self.seq += 1
+        return rsp.event(kind, self.seq - 1, data)
+
+    def _add(self, kind: str, item: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.items.append(item)
+        self.open = kind
+        return out + [self.event("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                                 "item": {**item, "status": "in_progress"}})]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        item, where, out = self.items[-1], self._where(), []
+        if self.open == "reasoning":
+            out.append(self.event("response.reasoning_text.done",
+                                  {**where, "content_index": 0, "text": item["content"][0]["text"]}))
+        elif self.open == "message":
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done",
+                                  {**where, "content_index": 0, "text": part["text"], "logprobs": []}))
+            out.append(self.event("response.content_part.done", {**where, "content_index": 0, "part": part}))
+        elif self.open == "function_call":
+            out.append(self.event("response.function_call_arguments.done",
+                                  {**where, "name": item["name"], "arguments": item["arguments"]}))
+        out.append(self.event("response.output_item.done", {"output_index": len(self.items) - 1, "item": item}))
+        self.open = None
+        return out
+
+    def feed(self, ev, spec: GenSpec) -> list[str]:
+        out: list[str] = []
+        if isinstance(ev, ReasoningDelta):
+            if self.open != "reasoning":
+                out += self._add("reasoning", rsp.reasoning_item(rsp.new_id("rs"), ""))
+            self.items[-1]["content"][0]["text"] += ev.text
+            out.append(self.event("response.reasoning_text.delta", {**self._where(), "content_index": 0,
+                                                                     "delta": ev.text}))
+        elif isinstance(ev, ContentDelta) and ev.text:
+            if self.open != "message":
+                out += self._add("message", rsp.message_item(rsp.new_id("msg"), ""))
+                out.append(self.event("response.content_part.added", {**self._where(), "content_index": 0, "part": {
+                    "type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+            self.items[-1]["content"][0]["text"] += ev.text
+            out.append(self.event("response.output_text.delta", {**self._where(), "content_index": 0,
+                                                                  "delta": ev.text, "logprobs": []}))
+        elif isinstance(ev, ToolCallStart) and spec.keeps_call(ev.index):
+            out += self._add("function_call", rsp.call_item(rsp.new_id("fc"), SimpleCall(ev.id, ev.name, "")))
+            self.calls[ev.index] = len(self.items) - 1
+        elif isinstance(ev, ToolCallArgsDelta) and self.calls.get(ev.index) == len(self.items) - 1 and self.open:
+            self.items[-1]["arguments"] += ev.arguments
+            out.append(self.event("response.function_call_arguments.delta", {**self._where(),
+                                                                              "delta": ev.arguments}))
+        return out
+
+    def finish(self) -> list[str]:
+        """Close the open item; a reply with neither text nor calls still gets its (empty) message."""
+        out = self.close()
+        if not any(item["type"] in ("message", "function_call") for item in self.items):
+            out += self._add("message", rsp.message_item(rsp.new_id("msg"), ""))
+            out += self.close()
+        return out
+
+
 class _BlockWriter:
     """Anthropic content-block events: thinking → text → tool_use, one block open at a time."""
 
@@ -377,6 +542,9 @@ class _BlockWriter:
         self.index += 1
         self.open = kind
         return out + [anth.event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def finish(self) -> list[str]:
+        return self.close()
 
     def close(self) -> list[str]:
         if self.open is None:

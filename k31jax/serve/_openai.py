@@ -11,10 +11,11 @@ text leaves out; `k31jax.generate.heal_prompt`). User content may hold ``image_u
 ``reasoning_effort`` maps onto K3's efforts (``_protocol.OPENAI_EFFORTS``: none / minimal turn
 thinking off, low → low, medium / high → high, xhigh → max). Without ``max_tokens`` a chat
 completion generates the server's default limit at most. ``parallel_tool_calls: false`` returns
-the first call only. Fields this server cannot honour (``response_format`` JSON modes, logit
-biases, penalties, the legacy functions API, audio, ``echo`` / ``suffix`` / ``best_of``) are
-refused with a 400 naming the field (``CHAT_UNSUPPORTED``, ``COMPLETION_UNSUPPORTED``), never
-ignored.
+the first call only. ``response_format`` (``json_object``, ``json_schema``) and
+``tools[].function.strict`` are held by constrained decoding (``_protocol.output_grammar``).
+Fields this server cannot honour (logit biases, penalties, the legacy functions API, audio,
+``echo`` / ``suffix`` / ``best_of``) are refused with a 400 naming the field
+(``CHAT_UNSUPPORTED``, ``COMPLETION_UNSUPPORTED``), never ignored.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 from ..chat import ParsedMessage
 from ..generate import Request, heal_prompt
 from ._protocol import (GenSpec, RequestImages, check_context, effort_settings, function_tools, get, in_range,
-                        invalid, max_tool_calls, refuse_unsupported, render_prompt, sampling, stop_list,
-                        tool_choice_spec)
+                        invalid, json_schema_format, max_tool_calls, output_grammar, refuse_unsupported,
+                        render_prompt, sampling, stop_list, tool_choice_spec)
 
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -59,12 +60,9 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-_NO_JSON = ("this server does not constrain output to JSON yet: send no response_format (or "
-            "{\"type\": \"text\"}) and parse the reply yourself")
 _NO_PENALTY = "repetition penalties are not implemented (leave it 0; top_p / top_k / temperature are)"
 # Fields that change what the client gets, refused rather than ignored; (name, accepted, why).
 CHAT_UNSUPPORTED = (
-    ("response_format", lambda v: isinstance(v, Mapping) and v.get("type") == "text", _NO_JSON),
     ("logit_bias", lambda v: v == {}, "logit biases are not applied"),
     ("frequency_penalty", lambda v: v == 0, _NO_PENALTY),
     ("presence_penalty", lambda v: v == 0, _NO_PENALTY),
@@ -85,9 +83,10 @@ COMPLETION_UNSUPPORTED = (
 
 
 def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: str | None = None,
-              default_max_tokens: int | None = None) -> GenSpec:
+              default_max_tokens: int | None = None, grammar: bool = True) -> GenSpec:
     """A chat completion request; local image files are read only below `image_dir`; without
-    max_tokens it generates `default_max_tokens` at most (None: the rest of the context)."""
+    max_tokens it generates `default_max_tokens` at most (None: the rest of the context);
+    `grammar`: hold the reply to its tools and ``response_format`` by constrained decoding."""
     _n_is_one(body)
     refuse_unsupported(body, CHAT_UNSUPPORTED)
     messages = _messages(body)
@@ -95,6 +94,8 @@ def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: st
     thinking, effort = effort_settings(body.get("reasoning_effort"), "reasoning_effort")
     template_choice, forced = tool_choice_spec(body.get("tool_choice"), tools, "tool_choice")
     parallel = get(body, "parallel_tool_calls", bool, True)
+    response_format = get(body, "response_format", dict)
+    content_schema = json_schema_format(response_format, "response_format")
     temperature = get(body, "temperature", float)
     in_range("temperature", temperature, 0, 2)
     top_p = get(body, "top_p", float)
@@ -118,11 +119,13 @@ def chat_spec(body: Mapping[str, Any], tokenizer, max_len: int, *, image_dir: st
     get(stream_options, "include_usage", bool, where="stream_options.")
     images = RequestImages(image_dir)
     prompt = render_prompt(tokenizer, messages, tools, thinking=thinking, effort=effort,
-                           tool_choice=template_choice, images=images)
+                           tool_choice=template_choice, images=images,
+                           response_format=response_format if content_schema is not None else None)
     max_tokens = check_context(len(prompt.ids), max_tokens, max_len, param, default_max_tokens)
     req = Request(prompt.ids, sampling(temperature, top_p, top_k, seed), max_tokens, None, stop,
                   budget if thinking else None, parse=True, chat_format="k3", markup="ids",
-                  images=tuple(images.images), snapshot_at=prompt.history)
+                  images=tuple(images.images), snapshot_at=prompt.marks,
+                  grammar=output_grammar(tools, forced, parallel, content_schema) if grammar else None)
     return GenSpec(req, forced, max_tool_calls(forced, parallel), logprobs, top_logprobs)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..chat import ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template, resolve_reasoning_effort
-from ..generate import Request, SamplingParams, ToolChoice
+from ..generate import OutputGrammar, Request, SamplingParams, ToolChoice, ToolSchema
 from ..vision import ImagePrompts
 
 
@@ -212,11 +212,13 @@ class RequestImages(ImagePrompts):
 
 @dataclasses.dataclass
 class Prompt:
-    """A rendered chat prompt: its ids, and where its conversation ends when notes for this
-    turn follow it (the tool-choice message; None otherwise)."""
+    """A rendered chat prompt: its ids, and where the scheduler should also store its state
+    (``Request.snapshot_at``): the conversation's end when notes for this turn follow it (the
+    tool-choice message), and the start of each tool result of this turn (where a compacted
+    history first differs)."""
 
     ids: list[int]
-    history: int | None
+    marks: tuple[int, ...] = ()
 
 
 class _Recorded:
@@ -232,31 +234,40 @@ class _Recorded:
 
 
 def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | None,
-                  tool_choice: Any, images: ImagePrompts | None = None) -> Prompt:
+                  tool_choice: Any, images: ImagePrompts | None = None,
+                  response_format: Mapping[str, Any] | None = None) -> Prompt:
     """The prompt; `images` (a `RequestImages`) reads the image parts, which then render as
     media blocks and are kept in `images.images`.
 
     The tool-choice message (``required`` / ``none``) follows the conversation and the next turn
-    does not repeat it, so this turn's prompt is no prefix of the next one: `history` marks the
-    conversation's end, where the scheduler stores a snapshot for the next turn to resume from.
+    does not repeat it, so this turn's prompt is no prefix of the next one: a mark at the
+    conversation's end lets the scheduler store a snapshot there for the next turn to resume
+    from. The tool results after the last assistant message are marked where they start: a
+    compaction that replaces one (`k31jax.chat.compact_history`) keeps the history before it.
     """
     recorded = _Recorded(images) if images is not None else None
-    kw = dict(thinking=thinking, thinking_effort=effort if thinking else None)
+    kw = dict(thinking=thinking, thinking_effort=effort if thinking else None, response_format=response_format)
+
+    def head_length(upto: int) -> int | None:
+        """Tokens of `messages[:upto]` rendered without a generation prompt, when they begin the prompt."""
+        blocks = iter(recorded.blocks if recorded is not None else ())
+        head = apply_chat_template(tokenizer, messages[:upto], tools or None, add_generation_prompt=False,
+                                   media_prompt=(lambda part: next(blocks)) if images is not None else None, **kw)
+        return len(head) if ids[:len(head)] == head else None
+
     try:
         ids = apply_chat_template(tokenizer, messages, tools or None, tool_choice=tool_choice,
                                   media_prompt=recorded, **kw)
-        history = None
-        if tool_choice in ("required", "none"):
-            blocks = iter(recorded.blocks if recorded is not None else ())
-            head = apply_chat_template(tokenizer, messages, tools or None, add_generation_prompt=False,
-                                       media_prompt=(lambda part: next(blocks)) if images is not None else None,
-                                       **kw)
-            history = len(head) if ids[:len(head)] == head else None
+        last_assistant = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        starts = [k for k, m in enumerate(messages) if m.get("role") == "tool"
+                  and last_assistant is not None and k > last_assistant]
+        ends = [len(messages)] if tool_choice in ("required", "none") else []
+        marks = tuple(n for n in (head_length(k) for k in [*starts, *ends]) if n is not None)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
     except (TypeError, AttributeError, KeyError) as e:
         raise invalid(f"messages could not be rendered: {e}", "messages") from None
-    return Prompt(ids, history)
+    return Prompt(ids, marks)
 
 
 def sampling(temperature, top_p, top_k, seed, param_prefix: str = "") -> SamplingParams:
@@ -297,4 +308,42 @@ def function_tools(tools: Any, param: str) -> list[dict[str, Any]] | None:
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise invalid(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                           f"{param}[{i}]")
+        get(fn, "strict", bool, where=f"{param}[{i}].function.")
+        get(fn, "parameters", dict, where=f"{param}[{i}].function.")
     return tools
+
+
+def json_schema_format(value: Any, param: str) -> dict[str, Any] | None:
+    """The content's JSON schema of an OpenAI-style ``response_format`` (``text``: None;
+    ``json_object``: any object; ``json_schema``: its ``json_schema.schema``, any object when
+    it has none)."""
+    if value is None:
+        return None
+    kind = get(value, "type", str, required=True, where=f"{param}.") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = get(value, "json_schema", dict, required=True, where=f"{param}.")
+        get(spec, "name", str, where=f"{param}.json_schema.")
+        get(spec, "strict", bool, where=f"{param}.json_schema.")
+        return get(spec, "schema", dict, {"type": "object"}, where=f"{param}.json_schema.")
+    raise invalid(f"field '{param}' must be {{\"type\": \"text\" | \"json_object\" | \"json_schema\"}}", param)
+
+
+def output_grammar(tools: Sequence[Mapping[str, Any]] | None, forced: ToolChoice | None, parallel: bool,
+                   content_schema: Mapping[str, Any] | None) -> OutputGrammar | None:
+    """What constrained decoding holds the reply to (`k31jax.generate.OutputGrammar`): the
+    declared tools (OpenAI form; ``function.strict`` ones by their parameters' schema), the
+    tool choice, parallel calls, the content's JSON schema; None with neither tools nor schema."""
+    if not tools and content_schema is None:
+        return None
+    schemas = tuple(ToolSchema(t["function"]["name"], json.dumps(t["function"].get("parameters") or {}),
+                               bool(t["function"].get("strict"))) for t in tools or ())
+    mode = "auto" if forced is None else forced.mode
+    try:
+        return OutputGrammar(schemas, mode, forced.name if forced is not None else None, parallel,
+                             None if content_schema is None else json.dumps(content_schema))
+    except ValueError as e:
+        raise invalid(str(e), "tool_choice") from None

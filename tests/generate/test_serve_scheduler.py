@@ -132,6 +132,30 @@ def test_a_forced_turn_stores_its_history_for_the_next_turn(setup):
     assert warm.completion.tokens == engine.generate([nxt], 12, stop_ids=frozenset()).tokens[0]
 
 
+def test_prompts_sharing_a_head_resume_from_its_branch_point(setup):
+    """Many clients, one system prompt: the second prompt that leaves a stored one stores the
+    state where it leaves it (a branch point, while it prefills); the third resumes from there,
+    and its tokens are the static engine's."""
+    engine, sched, _ = setup
+    tok = engine.tokenizer
+    system = "You are a careful assistant. Answer in one line. " * 3
+    prompts = [apply_chat_template(tok, [{"role": "system", "content": system},
+                                         {"role": "user", "content": q}], thinking=False)
+               for q in ("tides?", "rivers and lakes?", "why is the sea salty?")]
+    head = next(i for i in range(len(prompts[0])) if prompts[0][i] != prompts[1][i])
+    assert head > 60 and prompts[2][:head] == prompts[0][:head]
+    sched.prefix.clear()
+    sched.min_branch, before = 32, sched.min_branch
+    try:
+        first, second = (_run(sched, [Request(p, max_new_tokens=2)])[0] for p in prompts[:2])
+        assert first.cached_tokens == second.cached_tokens == 0  # nothing shared was stored yet
+        third = _run(sched, [Request(prompts[2], max_new_tokens=12, stop_ids=frozenset())])[0]
+    finally:
+        sched.min_branch = before
+    assert third.cached_tokens == head
+    assert third.completion.tokens == engine.generate([prompts[2]], 12, stop_ids=frozenset()).tokens[0]
+
+
 def test_compaction_keeps_results(setup):
     engine, sched, _ = setup
     prompts = _prompts(engine.tokenizer, 12, seed=3)

@@ -5,6 +5,7 @@ access log). Fast: a byte tokenizer, no compiles."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -83,8 +84,7 @@ def test_anthropic_thinking_disabled_and_unknown_type():
 
 # ---- fields that are refused, not ignored --------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("response_format", {"type": "xml"}),
     ("logit_bias", {"65": 5}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
 ])
@@ -105,15 +105,62 @@ def test_completion_fields_that_change_the_reply_are_refused(field, value):
     _refused(lambda: oai.completion_spec({"model": "m", "prompt": "x", field: value}, TOK, MAX_LEN), field)
 
 
-@pytest.mark.parametrize("body, field", [({"output_format": {"type": "json_schema"}}, "output_format"),
-                                         ({"output_config": {"format": {"type": "json_schema"}}},
-                                          "output_config.format"),
+@pytest.mark.parametrize("body, field", [({"output_format": {"type": "json_schema"}}, "output_format.schema"),
+                                         ({"output_config": {"format": {"type": "xml"}}},
+                                          "output_config.format.type"),
+                                         ({"tools": [{"name": "f", "strict": "yes"}]}, "tools.0.strict"),
                                          ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
                                          ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
                                           "tools.0.type")])
 def test_anthropic_fields_that_change_the_reply_are_refused(body, field):
     err = _refused(lambda: _messages(**body), field)
     assert error_body("/v1/messages", err)["error"]["type"] == "invalid_request_error"
+
+
+# ---- what constrained decoding holds the reply to ----------------------------------------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+          "additionalProperties": False}
+STRICT = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA, "strict": True}}]
+
+
+@pytest.mark.parametrize("response_format, schema", [
+    ({"type": "json_object"}, {"type": "object"}),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}, SCHEMA),
+])
+def test_response_format_becomes_the_content_grammar_and_tells_the_model(response_format, schema):
+    spec = _chat(response_format=response_format)
+    assert json.loads(spec.request.grammar.content_schema) == schema
+    assert spec.request.grammar.tools == () and spec.request.grammar.tool_choice == "auto"
+    assert f"response_format={response_format['type']}" in _text(spec)  # the chat template's note (§2.2)
+    assert _chat().request.grammar is None and _chat(response_format={"type": "text"}).request.grammar is None
+
+
+def test_tools_become_the_call_grammar_strict_ones_by_their_schema():
+    spec = _chat(tools=STRICT, tool_choice="required", parallel_tool_calls=False)
+    g = spec.request.grammar
+    assert g.tool_choice == "required" and not g.parallel and g.content_schema is None
+    (tool,) = g.tools
+    assert tool.name == "get_weather" and tool.strict and json.loads(tool.parameters) == SCHEMA
+    assert not _chat(tools=TOOLS).request.grammar.tools[0].strict
+    named = _chat(tools=STRICT, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.request.grammar.tool_choice == "named" and named.request.grammar.name == "get_weather"
+    assert _chat(tools=STRICT).request.grammar.tool_choice == "auto"
+    assert _chat(tools=STRICT, tool_choice="none").request.grammar.tool_choice == "none"
+    off = oai.chat_spec({"model": "m", "messages": USER, "tools": STRICT}, TOK, MAX_LEN, grammar=False)
+    assert off.request.grammar is None  # `k31jax serve --no-grammar`
+
+
+def test_anthropic_strict_tools_and_structured_output():
+    tools = [{"name": "get_weather", "input_schema": SCHEMA, "strict": True}]
+    g = _messages(tools=tools, tool_choice={"type": "any"}).request.grammar
+    assert g.tool_choice == "required" and g.tools[0].strict and json.loads(g.tools[0].parameters) == SCHEMA
+    for body in ({"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+                 {"output_format": {"type": "json_schema", "schema": SCHEMA}}):
+        spec = _messages(**body)
+        assert json.loads(spec.request.grammar.content_schema) == SCHEMA
+        assert "response_format=json_schema" in _text(spec)
+        count = anth.count_tokens({"model": "m", "messages": USER, "max_tokens": 8, **body}, TOK)
+        assert count == len(spec.request.prompt)
 
 
 # ---- output limit, parallel calls, the history mark ---------------------------------------
@@ -144,9 +191,22 @@ def test_a_forced_turn_marks_where_its_history_ends(thinking):
     spec = _chat(tools=TOOLS, tool_choice="required", reasoning_effort=effort)
     history = apply_chat_template(TOK, USER, TOOLS, thinking=thinking, thinking_effort="max" if thinking else None,
                                   add_generation_prompt=False)
-    assert spec.request.snapshot_at == len(history)
+    assert spec.request.snapshot_at == (len(history),)
     assert list(spec.request.prompt[:len(history)]) == history
-    assert _chat(tools=TOOLS, reasoning_effort=effort).request.snapshot_at is None  # its prompt is the prefix
+    assert _chat(tools=TOOLS, reasoning_effort=effort).request.snapshot_at == ()  # its prompt is the prefix
+
+
+def test_new_tool_results_are_marked_where_they_start():
+    """Where a compaction may later replace them: the next turn resumes the history before them."""
+    calls = [{"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+             for c in "ab"]
+    msgs = USER + [{"role": "assistant", "content": "", "tool_calls": calls},
+                   {"role": "tool", "tool_call_id": "call_a", "content": "1"},
+                   {"role": "tool", "tool_call_id": "call_b", "content": "2"}]
+    starts = tuple(len(apply_chat_template(TOK, msgs[:k], TOOLS, thinking=True, thinking_effort="max",
+                                           add_generation_prompt=False)) for k in (2, 3))
+    assert _chat(messages=msgs, tools=TOOLS).request.snapshot_at == starts
+    assert _chat(messages=msgs + [{"role": "user", "content": "so?"}], tools=TOOLS).request.snapshot_at == starts
 
 
 # ---- the app on a scripted scheduler --------------------------------------------------------
@@ -221,3 +281,63 @@ def test_access_log_one_line_per_request_with_tokens_and_off_when_quiet(caplog):
     for line in lines[:2]:
         assert " POST /v1/chat/completions 200 " in line and f"prompt={n} cached=0 completion=4" in line
     assert " GET /v1/nothing 404 " in lines[2] and "tokens" not in lines[2]
+
+
+# ---- the Responses API's input -------------------------------------------------------------
+def test_responses_input_items_become_the_chat_history():
+    from k31jax.serve import _responses as rsp
+
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                               {"type": "input_text", "text": "in Oslo?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
+              "content": [{"type": "reasoning_text", "text": "I should call the tool."}]},
+             {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_a", "output": "-3"},
+             {"type": "function_call_output", "call_id": "call_b", "output": "5"},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Done."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "It is cold."}]},
+             {"role": "user", "content": "Thanks"}]
+    assert rsp.input_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "-3"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "5"},
+        {"role": "assistant", "content": "It is cold.", "reasoning_content": "Done."},
+        {"role": "user", "content": "Thanks"}]
+    assert rsp.input_messages("hi") == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": []}, "input"), ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+])
+def test_responses_requests_that_are_refused(body, field):
+    from k31jax.serve import _responses as rsp
+
+    with pytest.raises(APIError) as e:
+        rsp.responses_spec({"model": "m", **body}, TOK, MAX_LEN, rsp.ResponseStore())
+    assert e.value.param == field, e.value.message
+
+
+def test_responses_tools_are_strict_unless_they_say_otherwise():
+    from k31jax.serve import _responses as rsp
+
+    tools = [{"type": "function", "name": "a", "parameters": SCHEMA},
+             {"type": "function", "name": "b", "parameters": SCHEMA, "strict": False}]
+    spec, conversation = rsp.responses_spec({"model": "m", "input": "hi", "tools": tools, "instructions": "Be brief.",
+                                             "text": {"format": {"type": "json_schema", "name": "x",
+                                                                 "schema": SCHEMA}}},
+                                            TOK, MAX_LEN, rsp.ResponseStore())
+    assert [(t.name, t.strict) for t in spec.request.grammar.tools] == [("a", True), ("b", False)]
+    assert json.loads(spec.request.grammar.content_schema) == SCHEMA
+    assert conversation == [{"role": "user", "content": "hi"}]  # instructions are this request's only
+    assert "Be brief." in _text(spec)
