@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from ..chat import escape_attr, k3_last_channel
+from ._logits import bitmask_words, pack_mask
 
 MAX_CALLS = 16  # calls one reply may make (index="1" … "16")
 # JSON values are written as the renderer writes them (`json.dumps` defaults, chat_format.md
@@ -407,8 +408,9 @@ def closing_ids(tokenizer) -> dict[str, np.ndarray]:
 class RowGrammar:
     """One row's matcher: ``fill`` its next-token bitmask, ``push`` each generated id."""
 
-    def __init__(self, matcher, max_new_tokens: int, room: int = 0):
+    def __init__(self, matcher, max_new_tokens: int, room: int = 0, args_room: int = 0):
         self.matcher = matcher
+        self.args_room = args_room  # the shortest valid arguments (`reply_room`), for the tool-choice forcer
         self.closing_from = max_new_tokens - closing_reserve(max_new_tokens, room)  # generated ids before closing
         self.generated = 0
         self.broken = False  # an id the grammar refused was forced in (the row runs on unconstrained)
@@ -432,15 +434,15 @@ class GrammarCompiler:
 
         self._llg = llguidance
         self.tokenizer = tokenizer
-        self.words = (tokenizer.vocab_size + 31) // 32
+        self.words = bitmask_words(tokenizer.vocab_size)
         self.ll_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer)),
                                                    n_vocab=tokenizer.vocab_size)
         self.executor = llguidance.LLExecutor()
         self.closing_tiers = {}
         for kind, ids in closing_ids(tokenizer).items():
-            tier = np.zeros((self.words * 32,), bool)
-            tier[ids] = True
-            self.closing_tiers[kind] = np.packbits(tier, bitorder="little").view("<i4").astype(np.int32)
+            tier = np.zeros((1, tokenizer.vocab_size), bool)
+            tier[0, ids] = True
+            self.closing_tiers[kind] = pack_mask(tier)[0]
         # A letter no JSON literal starts with: where the grammar allows it, the row is inside
         # a string (JSON or raw text), and a quote ends it sooner than brackets, which a string
         # may also hold.
@@ -478,8 +480,8 @@ class GrammarCompiler:
         if template is None:  # dropped by another thread's compile meanwhile
             self.compile(grammar, prompt)
             return self.row(grammar, prompt, max_new_tokens)
-        matcher, _, closing_room = template
-        return RowGrammar(matcher.deep_copy(), max_new_tokens, closing_room)
+        matcher, args_room, closing_room = template
+        return RowGrammar(matcher.deep_copy(), max_new_tokens, closing_room, args_room)
 
     def room(self, grammar: OutputGrammar, prompt: Sequence[int]) -> int:
         """``reply_room`` of a grammar (compiling it if it is not kept)."""

@@ -536,12 +536,11 @@ class Scheduler:
         slot = self.rows.index(None)
         ctl = self.core.controller(slot, req)
         tc = h.tool_choice
-        args_room = 0 if req.grammar is None else self.grammar_compiler.room(req.grammar, req.prompt)
-        forcer = None if tc is None else ToolChoiceForcer(
-            self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
-            max_new_tokens=req.max_new_tokens, args_room=args_room)
         grammar = (None if req.grammar is None
                    else self.grammar_compiler.row(req.grammar, req.prompt, req.max_new_tokens))
+        forcer = None if tc is None else ToolChoiceForcer(
+            self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
+            max_new_tokens=req.max_new_tokens, args_room=0 if grammar is None else grammar.args_room)
         n = len(req.prompt)
         row = _Row(h, ctl, forcer, grammar, n, p.cached_tokens, 0.0, key=p.key)
         self.stats["grammar_requests"] += grammar is not None
