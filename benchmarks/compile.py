@@ -6,6 +6,7 @@ machine (and on what else it runs: the header's load). Needs the `tpu` extra (li
 
     python benchmarks/compile.py --record              # every case below
     python benchmarks/compile.py --case decode-4k      # one
+    python benchmarks/compile.py --case decode-4k --case verify-4k --record   # a block of their own
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from _harness import Session, add_record_arguments, report  # noqa: E402
 from k31jax import ModelConfig, aot  # noqa: E402
 
 GB = 1e9
-# name -> (step, topology, mesh, batch, context, chunk)
+# name -> (step, topology, mesh, batch, context, chunk; for "verify" the drafted tokens per row)
 CASES = {
     "decode-4k": ("decode", "v5p:4x4x4", "expert=8,tensor=8", 8, 4096, 1),
+    # the speculative verify step beside it: 8 drafted tokens and the last one per row (issue #30)
+    "verify-4k": ("verify", "v5p:4x4x4", "expert=8,tensor=8", 8, 4096, 8),
     "decode-128k": ("decode", "v5p:4x4x4", "expert=8,tensor=8", 8, 131072, 1),
     "decode-1m-tpu7x-32": ("decode", "tpu7x:2x2x4", "expert=4,tensor=8", 8, 1 << 20, 1),
     "decode-1m-tpu7x-64": ("decode", "tpu7x:2x4x4", "expert=8,tensor=8", 8, 1 << 20, 1),
@@ -89,14 +92,15 @@ def main() -> None:
         train = aot.TrainSettings(master_dtype="bfloat16", seq_len=context)
         try:
             r = aot.compile_program(cfg, topology, mesh, step=step, batch=batch, context=context, chunk=chunk,
-                                    train=train)
+                                    train=train, draft=chunk)
         except aot.CompileError as exc:
             lines.append(f"[{name}] {step} on {topology} mesh {mesh}, batch {batch}, context {context:,}: {exc}")
             continue
         lines += lines_for(name, r, cfg)
         print("\n".join(lines_for(name, r, cfg)), flush=True)
     session.finish()
-    report("compile", "compile", lines, session, args)
+    # a chosen set of cases is a block of its own beside the full record
+    report("compile", "compile", lines, session, args, part="+".join(args.case) if args.case else None)
 
 
 if __name__ == "__main__":

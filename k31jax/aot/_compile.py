@@ -4,8 +4,9 @@
 a slice without one attached, so `jit(f).lower(<ShapeDtypeStructs with NamedShardings>)
 .compile()` runs the real compiler on abstract shapes: nothing is allocated, and what comes
 back (per-device memory, the optimized HLO) is what the slice would run. `compile_program`
-does that for the engine's decode step (with its donated cache) and one prefill chunk, and
-sets the compiler's figures beside the planner's (`k31jax.distributed.plan_memory`).
+does that for the engine's decode step (with its donated cache), its speculative verify step
+(`draft` tokens per row and the last one, every position's KDA state kept), one prefill chunk
+and the trainer's step, and sets the compiler's figures beside the planner's (`k31jax.distributed.plan_memory`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..train import OptimConfig, abstract_train_step
 from ._hlo import HloReport, analyse, peak_breakdown
 
 GB = 1e9
-STEPS = ("decode", "prefill", "train")
+STEPS = ("decode", "verify", "prefill", "train")
 # HBM per device (one JAX device: a chip, or one of the two TensorCores a TPU7x chip shows as
 # devices), in the planner's units (GB = 1e9): the planner's own entries where it has the chip
 # (`distributed.DEVICES`), else the vendor's spec sheets; the topology description carries no
@@ -260,7 +261,8 @@ def step_floor(cfg: ModelConfig, plan, step: str, tokens: int, expert_shards: in
     selects: the indexer keys are all read, the latents gathered), and the KDA state and this
     call's new MLA rows written."""
     w = plan.weights
-    if step == "decode" and cfg.moe_layers:
+    few = step in ("decode", "verify")
+    if few and cfg.moe_layers:
         chosen = expected_local_experts(cfg, tokens, expert_shards)
         n_local = cfg.num_experts / expert_shards
         experts = w["experts"] * chosen / n_local
@@ -270,7 +272,7 @@ def step_floor(cfg: ModelConfig, plan, step: str, tokens: int, expert_shards: in
         note = "experts: all local ones, packed"
     c = plan.cache
     cache = sum(c.values()) + c["kda_state"] + c["kda_conv"]
-    if step == "decode" and cfg.use_indexer and plan.context > cfg.index_topk:
+    if few and cfg.use_indexer and plan.context > cfg.index_topk:
         cache -= (c["mla_ckv"] + c["mla_kpe"]) * (1 - cfg.index_topk / plan.context)
         note += f"; MLA latents: the {cfg.index_topk:,} selected rows"
     return int(w["rest"] + experts + cache), note
@@ -294,8 +296,9 @@ class TrainSettings:
 def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, *, step: str = "decode",
                     batch: int = 8, context: int = 4096, chunk: int = 2048, rules=None,
                     backends: Backends | None = None, dump: str | Path | None = None,
-                    train: TrainSettings | None = None) -> CompileReport:
+                    train: TrainSettings | None = None, draft: int = 8) -> CompileReport:
     """Compile the engine's `step` program ("decode": one token per row with the donated cache;
+    "verify": the speculative step over each row's last token and `draft` drafted ones;
     "prefill": one `chunk`-token call per row), or the trainer's step ("train", `train`
     settings, `batch` rows per micro-batch), of `config` for `topology` on `mesh`, from abstract
     shapes, and report (`CompileReport.table()`, `.as_dict()`); `dump` writes the optimized HLO."""
@@ -327,6 +330,13 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
         sampler = _rows(sampler, m, rules)
         args = (graphdef, backends, state, cache, token, sampler, token_rules)
         tokens = batch
+    elif step == "verify":
+        _, sampler, token_rules = abstract_decode_inputs(cfg.vocab_size, batch)
+        fed = jax.ShapeDtypeStruct((batch, draft + 1), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        fed, lengths, token_rules = _replicated((fed, lengths, token_rules), m)
+        args = (graphdef, backends, state, cache, fed, lengths, _rows(sampler, m, rules), token_rules)
+        tokens = batch * (draft + 1)
     else:
         tokens_in = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
         valid = jax.ShapeDtypeStruct((batch, chunk), jnp.bool_)
@@ -338,13 +348,17 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     expert_shards = _expert_shards(cfg, shape, rules)
     chosen = expected_local_experts(cfg, tokens, expert_shards) if cfg.moe_layers else 1
     hlo = analyse(text, {"selected_experts": chosen})
-    plan = plan_memory(cfg, shape, batch=batch, context=context, chunk=1 if step == "decode" else chunk,
-                       rules=rules)
+    width = {"decode": 1, "verify": draft + 1}.get(step, chunk)
+    plan = plan_memory(cfg, shape, batch=batch, context=context, chunk=width, rules=rules)
     inputs = sum(_device_bytes(a) for a in jax.tree.leaves(args[4:]))
-    # what the program donates: the cache, and at decode the sampler state (`seen` [B, V])
-    donated = sum(_device_bytes(a) for a in jax.tree.leaves(args[3] if step == "prefill" else (args[3], args[5])))
+    # what the program donates: the cache, and at decode / verify the sampler state (`seen` [B, V])
+    sampler_at = {"decode": 5, "verify": 6}
+    donated = sum(_device_bytes(a) for a in jax.tree.leaves(
+        (args[3], args[sampler_at[step]]) if step in sampler_at else args[3]))
+    # a verify step holds every fed position's KDA state and conv window (`nn.KDATrail`)
+    trail = width * (plan.cache["kda_state"] + plan.cache["kda_conv"]) if step == "verify" else 0
     planner = {"weights": plan.weight_total, "cache": plan.cache_total, "inputs": inputs, "donated": donated,
-               "activations": plan.attn_res + plan.peak_activations, "total": plan.total}
+               "activations": plan.attn_res + plan.peak_activations + trail, "total": plan.total + trail}
     floor, note = step_floor(cfg, plan, step, tokens, expert_shards)
     kind = devices[0].device_kind
     return CompileReport(step, name, topology_name(topology), len(devices), kind, shape, rules_name(rules),

@@ -29,6 +29,7 @@ from ..ckpt import CheckpointError, SafetensorsError
 from ..config import ConfigError
 from ..ckpt import Interrupted, SourceOverlapError
 from ..distributed import initialize, shard_model
+from ..generate import DRAFTERS, Speculation
 from ..sharding import RULE_TABLES, activate, make_mesh, parse_mesh
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
@@ -198,6 +199,21 @@ class cli_context:
 
 
 # ---- argument checks (UsageError names the flag) --------------------------------------
+def add_speculation_arguments(p) -> None:
+    """--speculate / --max-draft (speculative decoding, `k31jax.generate.Speculation`)."""
+    p.add_argument("--speculate", choices=DRAFTERS, default=None,
+                   help="speculative decoding: 'ngram' drafts the continuation of the latest earlier "
+                        "match of the last tokens (prompt lookup) and verifies it in one forward pass; "
+                        "the same output as without (greedy), the same distribution (sampling)")
+    p.add_argument("--max-draft", type=int, default=8, help="most tokens a row drafts per step (--speculate)")
+
+
+def speculation_from(args) -> Speculation | None:
+    """The `Speculation` of --speculate / --max-draft (None without --speculate)."""
+    check_int("--max-draft", args.max_draft, low=1, high=64)
+    return None if args.speculate is None else Speculation(args.speculate, max_draft=args.max_draft)
+
+
 def check_int(flag: str, value, *, low: int | None = None, high: int | None = None, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -24,8 +24,10 @@ def register(sub) -> None:
                         "slice (v5p-128 = 64 chips, tpu7x-64, v5e-16)")
     p.add_argument("--mesh", default="expert=8,tensor=8", help="mesh axes over the slice's devices")
     p.add_argument("--rules", default=None, help="rule table (default: the one for the mesh)")
-    p.add_argument("--step", default="decode", choices=["decode", "prefill", "train"],
-                   help="the engine's decode step (donated cache), one prefill chunk, or the trainer's step")
+    p.add_argument("--step", default="decode", choices=["decode", "verify", "prefill", "train"],
+                   help="the engine's decode step (donated cache), its speculative verify step (--draft "
+                        "drafted tokens per row), one prefill chunk, or the trainer's step")
+    p.add_argument("--draft", type=int, default=8, help="drafted tokens per row (--step verify)")
     p.add_argument("--batch", type=int, default=8, help="sequences (train: rows per micro-batch)")
     p.add_argument("--context", type=int, default=4096, help="cache length in tokens")
     p.add_argument("--chunk", type=int, default=2048, help="prefill call width (--step prefill)")
@@ -50,7 +52,7 @@ def register(sub) -> None:
 def _check(args) -> None:
     if args.config not in preset_names():
         raise UsageError(f"--config {args.config!r}: expected one of {', '.join(preset_names())}")
-    for flag in ("batch", "context", "chunk", "seq_len", "grad_accum"):
+    for flag in ("batch", "context", "chunk", "seq_len", "grad_accum", "draft"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
     check_int("--lora-rank", args.lora_rank, low=0)
 
@@ -70,7 +72,8 @@ def _run(args) -> int:
                                   grad_accum=args.grad_accum)
         report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,
                                      context=args.context, chunk=args.chunk, rules=args.rules, dump=args.dump,
-                                     train=train, backends=Backends(kernels=args.kernels, ep="ragged"))
+                                     train=train, backends=Backends(kernels=args.kernels, ep="ragged"),
+                                     draft=args.draft)
     except aot.CompileError as exc:
         raise UsageError(str(exc)) from None
     print(report.table())

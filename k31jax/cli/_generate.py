@@ -36,8 +36,8 @@ from ..config import preset_names
 from ..generate import DEFAULT_MODEL, ChatSession, Engine, Request, SamplingParams, heal_prompt, plan_prefill
 from ..train import load_generation_model
 from ..vision import ImageError, decode_image
-from ._common import (StatusLine, UsageError, add_distributed_arguments, check_int, check_mesh_args,
-                      cli_context, enable_compile_cache, install)
+from ._common import (StatusLine, UsageError, add_distributed_arguments, add_speculation_arguments, check_int,
+                      check_mesh_args, cli_context, enable_compile_cache, install, speculation_from)
 
 DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
 
@@ -115,7 +115,7 @@ def _engine(args, vision: bool | None = False):
         print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
     model = args.sharding.place(loaded.model) if getattr(args, "sharding", None) else loaded.model
     engine = Engine(model, loaded.tokenizer, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    vision=loaded.vision)
+                    vision=loaded.vision, speculation=speculation_from(args))
     loaded.model = None  # the engine holds the weights (on CPU split into per-layer rows): free the stacks
     return engine, loaded.raw_completion, loaded
 
@@ -446,6 +446,7 @@ def _common(p, *, max_new_tokens: int) -> None:
     p.add_argument("--dtype", default=None, help="parameter/activation dtype (Orbax default: bfloat16)")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="auto: when stdout is a terminal and NO_COLOR is not set")
+    add_speculation_arguments(p)
     _sharding_flags(p)
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from ..config import preset_names
 from ..generate import DEFAULT_MODEL, Engine, ProcessSync, Scheduler
 from ..train import load_generation_model
-from ._common import (UsageError, add_distributed_arguments, check_int, check_mesh_args, cli_context,
-                      enable_compile_cache, install)
+from ._common import (UsageError, add_distributed_arguments, add_speculation_arguments, check_int, check_mesh_args,
+                      cli_context, enable_compile_cache, install, speculation_from)
 
 # A chat completion without max_tokens stops here (`ServeSettings.default_max_tokens`, the same
 # number: not imported, the server stack loads in `_run` only).
@@ -65,6 +65,7 @@ def register(sub) -> None:
     p.add_argument("--no-grammar", action="store_true",
                    help="no constrained decoding: tool calls and JSON formats as the model writes them "
                         "(default: held to the tools' strict schemas, response_format and the K3 output structure)")
+    add_speculation_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     p.add_argument("--vision", action="store_true",
                    help="accept images with a seeded RANDOM vision tower when the model has no trained one "
@@ -135,7 +136,7 @@ def _run(args) -> int:
         if loaded.vision_banner:
             print(f"[k31jax] {loaded.vision_banner}", file=sys.stderr)
         engine = Engine(ctx.place(loaded.model), loaded.tokenizer, max_len=args.max_len,
-                        prefill_chunk=args.prefill_chunk, vision=loaded.vision)
+                        prefill_chunk=args.prefill_chunk, vision=loaded.vision, speculation=speculation_from(args))
         loaded.model = None  # the engine holds the weights (on CPU split into per-layer rows): free the stacks
         scheduler = Scheduler(engine, max_batch=args.max_batch, max_queue=args.max_queue,
                               prefill_chunk=args.prefill_chunk,

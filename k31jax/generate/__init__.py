@@ -8,6 +8,10 @@ streaming text and structured events, two loops over it, and a multi-turn chat s
   ``Scheduler`` are loops over it.
 - ``Engine(model, tokenizer, max_len=..., prefill_chunk=...)``: ``generate`` / ``stream`` over
   token-id prompts or ``Request``s; compiled once per (batch, length bucket).
+- Speculative decoding: ``Engine(..., speculation=Speculation("ngram"))`` (and the
+  ``Scheduler``'s): prompt-lookup drafts (``NgramDrafter``; a ``Drafter`` can be a model),
+  verified in one forward pass per step (``accept_drafts``: greedy output unchanged, sampled
+  output distributed as without), the KDA state rolled back (``k31jax.nn.KDATrail``).
 - ``SamplingParams``: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
 - ``ChatSession``: K3 chat history (reasoning, tool calls, tool results) over an engine.
 - ``heal_prompt``: token healing for raw completion (``Request(healed_prefix=...)``).
@@ -25,6 +29,7 @@ streaming text and structured events, two loops over it, and a multi-turn chat s
 """
 
 from ._core import GenerationCore
+from ._drafts import DRAFTERS, Drafter, DraftRow, NgramDrafter, Speculation, SpeculationStats
 from ._engine import Engine, GenerationResult, bucket_length, plan_prefill
 from ._grammar import GrammarError, OutputGrammar, ToolSchema
 from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
@@ -38,12 +43,16 @@ from ._requests import Completion, Request, StreamDelta
 from ._sampling import SamplerState, SamplingParams, sample_logits, sample_tokens
 from ._scheduler import Scheduler
 from ._session import ChatSession, TurnResult
+from ._verify import Verified, accept_drafts
 from ._warmup import Warmup
 
 __all__ = [
-    "ChatSession", "Completion", "DEFAULT_MODEL", "Engine", "Failed", "Finished", "GenerationCore", "GenerationResult",
-    "GrammarError", "Handle", "LoadedModel", "Logprobs", "OutputGrammar", "Prefilled", "PrefixCache", "ProcessSync", "QueueFullError", "Request",
-    "SamplerState", "SamplingParams", "Scheduler", "Step", "StreamDelta", "TokenEvent", "TokenLogprob", "TokenRules", "ToolChoice", "ToolSchema", "TurnPlan", "TurnResult", "Warmup",
-    "abstract_decode_inputs", "bucket_length", "embedded_model_dir", "engine_program", "heal_prompt", "load_model",
-    "load_tokenizer", "plan_prefill", "sample_logits", "sample_tokens", "tokenizer_dir",
+    "ChatSession", "Completion", "DEFAULT_MODEL", "DRAFTERS", "DraftRow", "Drafter", "Engine", "Failed",
+    "Finished", "GenerationCore", "GenerationResult", "GrammarError", "Handle", "LoadedModel", "Logprobs",
+    "NgramDrafter", "OutputGrammar", "Prefilled", "PrefixCache", "ProcessSync", "QueueFullError", "Request",
+    "SamplerState", "SamplingParams", "Scheduler", "Speculation", "SpeculationStats", "Step", "StreamDelta",
+    "TokenEvent", "TokenLogprob", "TokenRules", "ToolChoice", "ToolSchema", "TurnPlan", "TurnResult",
+    "Verified", "Warmup", "abstract_decode_inputs", "accept_drafts", "bucket_length", "embedded_model_dir",
+    "engine_program", "heal_prompt", "load_model", "load_tokenizer", "plan_prefill", "sample_logits",
+    "sample_tokens", "tokenizer_dir",
 ]

@@ -12,7 +12,8 @@ continuous ``Scheduler``), with the verbs they are made of.
   (and its own counts) runs on a ``fork()``, which shares everything else.
 - **Verbs.** ``new_cache`` / ``new_sampler``; ``prefill`` (one call, ``prefill_calls`` for a
   left-padded batch); ``first`` (a row's first token) and ``decode`` (one step for every row),
-  both under per-row ``TokenRules``; the slot verbs ``insert``, ``insert_sampler_row``,
+  both under per-row ``TokenRules``; ``verify`` (a speculative step over drafted tokens,
+  ``_verify``); the slot verbs ``insert``, ``insert_sampler_row``,
   ``compact``, ``snapshot``, ``restore`` (``_slots``).
 - **Images** (``Request.images``, with a vision tower): the tower runs once per request before
   prefill (``image_rows``; one program per patch-count bucket); each prefill call that holds
@@ -44,6 +45,7 @@ from ._programs import PROGRAMS, Prefilled, ProgramCache, Step
 from ._requests import Request, RowController
 from ._sampling import SamplerState, SamplingParams, sampler_arrays
 from ._slots import Snapshot, scratch_fields, scratch_shapes, snapshot_of
+from ._verify import Verified
 
 # Per layer, the unrolled stack costs a CPU decode step ~0.2 ms more than the scan (93 layers
 # at tiny widths), and a scanned layer's row copies ~0.18 ms per MB of its weights other than
@@ -261,6 +263,14 @@ class GenerationCore:
         """A decode step's forward pass: every row's next-token logits and the continued cache
         (`cache` donated); `sample` turns them into tokens."""
         return self.run("decode_logits", cache, token)
+
+    def verify(self, cache: Cache, tokens: np.ndarray, lengths: np.ndarray, sampler: SamplerState,
+               rules: TokenRules) -> Verified:
+        """One speculative step: `tokens [B, W]` are each row's last token and drafts (row i
+        drafted ``lengths[i]``); the kept drafts and the token after them, the cache rolled
+        back to them (`cache` and `sampler` donated; `_verify`)."""
+        return self.run("verify", cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), sampler,
+                        rules)
 
     def sample(self, logits, sampler: SamplerState, rules: TokenRules, with_logprobs: bool = False) -> Step:
         """One token per row from `decode_logits`' logits (`sampler` donated); with

@@ -15,6 +15,10 @@ generation core (``_core``).
   reads each step's ids to run stop checks, the thinking budget and the parser
   (``_requests``), and dispatches the next step before that work when no row's forced token
   depends on it.
+- **Speculation** (``Engine(speculation=...)``): a step where some row has a draft
+  (``_drafts``) is one verify program over the batch (``_verify``), each row emitting its kept
+  drafts and one more token; the host tracks the cache's write position and compacts the cache
+  when a verify step would run past it.
 - The cache and the sampler state (its ``seen`` mask) are donated to each step; the model's
   layout (layer rows on CPU, expert words elsewhere), the backends and the vision tower are
   the core's.
@@ -26,14 +30,16 @@ import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from ..ops import Backends
 from ..vision import ImagePrompts
 from ._core import GenerationCore
+from ._drafts import Speculation, SpeculationStats, Speculator
 from ._healing import first_token_mask
 from ._logits import TokenRules, pack_mask
-from ._requests import Completion, Request, StreamDelta, normalize_requests
+from ._requests import Completion, Request, RowController, StreamDelta, normalize_requests
 from ._sampling import SamplingParams
 
 
@@ -67,6 +73,7 @@ class GenerationResult:
     padded_prompt_tokens: int
     decode_steps: int
     decode_tokens: int
+    speculation: SpeculationStats | None = None  # drafted and kept tokens (`Engine(speculation=)`)
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -90,10 +97,13 @@ class GenerationResult:
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
     def timing_line(self) -> str:
-        return (f"prompt {self.prompt_tokens} tok: prefill {self.prefill_tok_s:,.1f} tok/s "
+        line = (f"prompt {self.prompt_tokens} tok: prefill {self.prefill_tok_s:,.1f} tok/s "
                 f"(TTFT {self.prefill_seconds * 1e3:,.1f} ms); decode {self.decode_tok_s:,.1f} tok/s "
                 f"({self.decode_tokens} tok in {self.decode_seconds:.3f} s); compile "
                 f"{self.compile_seconds:.1f} s (excluded)")
+        if self.speculation is not None:
+            line += f"; speculation: {self.speculation.summary()}"
+        return line
 
 
 class Engine:
@@ -111,11 +121,16 @@ class Engine:
                    implementations, a `k31jax.vision.VisionModel` for requests with images
                    (or `set_vision`), and the layer layout (per-layer rows on CPU for wide
                    layers; the caller's model keeps its stacks, so drop it to free them).
+    speculation    a `Speculation` (e.g. `Speculation("ngram")`): decode steps verify each
+                   row's drafted tokens in one forward pass (`_verify`); greedy output is the
+                   same, sampled output has the same distribution. Steps where no row drafts
+                   are plain decode steps (not pipelined).
     """
 
     def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
                  min_bucket: int = 16, stop_ids=None, pipeline: bool = True,
-                 backends: Backends | None = None, vision=None, layer_rows: bool | None = None):
+                 backends: Backends | None = None, vision=None, layer_rows: bool | None = None,
+                 speculation: Speculation | None = None):
         if prefill_chunk < 1 or min_bucket < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk}, min_bucket={min_bucket}: each must be >= 1")
         self.core = GenerationCore(model, tokenizer, stop_ids=stop_ids, backends=backends, vision=vision,
@@ -126,6 +141,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.min_bucket = min_bucket
         self.pipeline = pipeline
+        self.speculation = speculation
         self.last_result: GenerationResult | None = None
 
     @property
@@ -217,25 +233,11 @@ class Engine:
         t_first = time.perf_counter()
         compile_prefill = core.programs.compile_seconds - compile_before
 
-        n_steps = 0
-        while True:
-            # Dispatch the next step before the host work when its forced ids are known now.
-            pending = None
-            live = [row for row in rows if not row.done]
-            if self.pipeline and n_steps + 1 < steps:
-                ahead = [row.predict_force_after_next() for row in rows]
-                if all(a is not None for a in ahead):
-                    pending = core.decode(cache, token, sampler, TokenRules.forcing(ahead))
-            for row in live:
-                delta = row.push(int(host[row.index]))
-                yield delta
-            n_steps += 1
-            if all(row.done for row in rows) or n_steps >= steps:
-                break
-            if pending is None:
-                pending = core.decode(cache, token, sampler, TokenRules.forcing([row.force() for row in rows]))
-            token, cache, sampler = pending.token, pending.cache, pending.sampler
-            host = np.asarray(token)
+        speculator = None if self.speculation is None else Speculator(self.speculation)
+        if speculator is not None:
+            n_steps = yield from self._speculate(speculator, rows, reqs, cache, token, sampler, host, length)
+        else:
+            n_steps = yield from self._decode(rows, cache, token, sampler, host, steps)
         t_end = time.perf_counter()
         run_compile = core.programs.compile_seconds - compile_before
         for row in rows:  # rows cut by the global step limit (cannot happen: each has its own)
@@ -251,4 +253,75 @@ class Engine:
             padded_prompt_tokens=b * length,
             decode_steps=n_steps - 1,
             decode_tokens=sum(max(len(c.tokens) - 1, 0) for c in completions),
+            speculation=None if speculator is None else speculator.stats,
         )
+
+    def _decode(self, rows: list[RowController], cache, token, sampler, host, steps: int) -> Iterator[StreamDelta]:
+        """Decode every row to its end, a token per step; returns the steps taken."""
+        core = self.core
+        n_steps = 0
+        while True:
+            # Dispatch the next step before the host work when its forced ids are known now.
+            pending = None
+            live = [row for row in rows if not row.done]
+            if self.pipeline and n_steps + 1 < steps:
+                ahead = [row.predict_force_after_next() for row in rows]
+                if all(a is not None for a in ahead):
+                    pending = core.decode(cache, token, sampler, TokenRules.forcing(ahead))
+            for row in live:
+                delta = row.push(int(host[row.index]))
+                yield delta
+            n_steps += 1
+            if all(row.done for row in rows) or n_steps >= steps:
+                return n_steps
+            if pending is None:
+                pending = core.decode(cache, token, sampler, TokenRules.forcing([row.force() for row in rows]))
+            token, cache, sampler = pending.token, pending.cache, pending.sampler
+            host = np.asarray(token)
+
+    def _speculate(self, spec: Speculator, rows: list[RowController], reqs: list[Request], cache, token, sampler,
+                   host, pos: int) -> Iterator[StreamDelta]:
+        """Decode every row to its end with verify steps over each row's drafts (plain steps when
+        no row drafts); returns the steps taken. `pos` is the cache's write position."""
+        core = self.core
+        for row, req in zip(rows, reqs):
+            spec.add(row.index, req.prompt)
+        emitted = [[int(t)] for t in host]
+        n_steps = 0
+        while True:
+            for row in rows:
+                for t in emitted[row.index]:
+                    if row.done:
+                        break
+                    yield row.push(t)
+                    spec.emitted(row.index, [t])
+            n_steps += 1
+            if all(row.done for row in rows):
+                return n_steps
+            rules = TokenRules.forcing([row.force() for row in rows])
+            limits = {row.index: min(row.unforced_run(), row.req.max_new_tokens - len(row.tokens)) - 1
+                      for row in rows if not row.done}
+            drafts = spec.drafts(limits)
+            width = spec.width(drafts)
+            if width and pos + width > self.max_len:  # the live rows' keys to the front
+                cache = core.compact(cache, np.asarray([not row.done for row in rows]))
+                pos = int(np.asarray(cache.pos))
+            if width and pos + width <= self.max_len:
+                fed = np.zeros((len(rows), width), np.int32)
+                fed[:, 0] = [seq[-1] for seq in emitted]
+                lengths = np.zeros(len(rows), np.int32)
+                for i, d in drafts.items():
+                    fed[i, 1:1 + len(d)] = d
+                    lengths[i] = len(d)
+                verified = core.verify(cache, fed, lengths, sampler, rules)
+                cache, sampler = verified.cache, verified.sampler
+                out, kept = np.asarray(verified.tokens), np.asarray(verified.kept)
+                emitted = [out[i, :kept[i]].tolist() for i in range(len(rows))]
+                spec.verified(drafts, {i: int(kept[i]) - 1 for i in drafts})
+                token = jnp.asarray([seq[-1] for seq in emitted], jnp.int32)
+                pos += width
+            else:
+                step = core.decode(cache, token, sampler, rules)
+                cache, sampler, token = step.cache, step.sampler, step.token
+                emitted = [[int(t)] for t in np.asarray(token)]
+                pos += 1

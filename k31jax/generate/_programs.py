@@ -7,9 +7,10 @@ supplies and leaves out of the program's cache key (they are its own, fixed). A
 ``ProgramCache`` compiles each program once per (kind, static arguments, signature of the
 other arguments), explicitly (``lower().compile()``, timed apart).
 
-The model is called in two places only, ``_prefill_logits`` and ``_step_logits``. A new kind
-of step (a verify step over k draft tokens per row for speculative decoding) is a new entry of
-the table, run by the same ``ProgramCache``.
+The model is called in three places only, ``_prefill_logits``, ``_step_logits`` and
+``_verify`` (speculative decoding: the forward pass over each row's drafts with every
+position's KDA state kept, ``_verify.accept_drafts``, and the rollback to the kept tokens, in
+one program compiled once per (batch, width)).
 
 Sampling runs inside the first-token and decode programs with per-row arrays (``_sampling``)
 and per-row ``TokenRules`` (``_logits``); the caches and the sampler state (its ``seen``
@@ -39,6 +40,7 @@ from ..vision import splice_image_embeddings
 from ._logits import TokenRules
 from ._sampling import SamplerState, SamplingParams, make_sampler_state, sample_tokens, sampler_arrays
 from ._slots import compact_rows, extract_row, insert_row, restore_cache
+from ._verify import Verified, accept_drafts
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 
@@ -161,6 +163,17 @@ def _sample_logits(logits, sampler, rules: TokenRules, with_logprobs: bool = Fal
     return _sample(logits, sampler, rules, with_logprobs)
 
 
+def _verify(graphdef, backends, state, cache: Cache, tokens, lengths, sampler, rules: TokenRules) -> Verified:
+    """One speculative verify step (`_verify.accept_drafts`): the forward pass over each row's
+    last token and drafts `tokens [B, W]` keeping every position's KDA state, the kept drafts
+    and the token after them, and the cache rolled back to what each row keeps."""
+    out = nnx.merge(graphdef, state)(tokens, cache, backends=backends, trail=True)
+    verified = accept_drafts(out.logits, tokens[:, 1:], lengths, sampler, rules)
+    cache = constrain_cache(out.cache.rollback(verified.kept, tokens.shape[1]))
+    logprobs = _logprobs(out.logits[:, 0], verified.tokens[:, 0])
+    return dataclasses.replace(verified, sampler=_pin_sampler(verified.sampler), cache=cache, logprobs=logprobs)
+
+
 def _init_cache(config, batch: int, max_len: int) -> Cache:
     return constrain_cache(init_cache(config, batch, max_len))
 
@@ -225,6 +238,7 @@ PROGRAMS: dict[str, Program] = {
                       takes="model"),
     "decode_logits": Program(_decode_logits, static=("graphdef", "backends"), donate=("cache",), takes="model"),
     "sample": Program(_sample_logits, static=("with_logprobs",), donate=("sampler",)),
+    "verify": Program(_verify, static=("graphdef", "backends"), donate=("cache", "sampler"), takes="model"),
     "insert": Program(insert_row, donate=("cache",)),
     "compact": Program(compact_rows, donate=("cache",)),
     "extract": Program(extract_row),

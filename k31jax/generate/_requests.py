@@ -13,6 +13,7 @@ ordinary tokens has written text, so it cannot forge a tool call).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 from ..chat import (K2StreamParser, K3StreamParser, ParsedMessage, ParseEvent, Segment, ThinkingBudget, ThinkPhase,
@@ -179,6 +180,20 @@ class RowController:
             nxt = b.force_pos + 1
             return b.cfg.forced[nxt] if nxt < len(b.cfg.forced) else -1
         return -1 if b.think_count + 1 < b.cfg.budget else None  # THINK
+
+    def unforced_run(self) -> int:
+        """How many of the next tokens are certainly sampled freely, whatever they are (the
+        thinking budget forces its closing markup only once the count of thinking tokens
+        reaches it); `sys.maxsize` when nothing can force one. A speculative step drafts at
+        most one fewer, so every token it keeps is one no rule would have forced."""
+        b = self.budget
+        if self.done or b is None or b.phase is ThinkPhase.DONE:
+            return sys.maxsize
+        if self.force() >= 0:
+            return 0
+        if b.phase is ThinkPhase.WAIT_OPEN:
+            return b.cfg.budget
+        return b.cfg.budget - b.think_count  # THINK: token j is forced once think_count + j reaches it
 
     # ---- one token --------------------------------------------------------------------
     def push(self, token: int) -> StreamDelta:

@@ -126,28 +126,43 @@ def _filter_thresholds(logits: Float[Array, "B V"], top_k, top_p) -> Float[Array
     return jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
 
 
+def penalized_logits(logits: Float[Array, "B V"], s: SamplerState) -> Float[Array, "B V"]:
+    """fp32 logits after the repetition penalty (greedy takes their argmax)."""
+    logits = logits.astype(jnp.float32)
+    return jax.lax.cond(jnp.any(s.repetition_penalty != 1.0), _apply_repetition_penalty,
+                        lambda l, *_: l, logits, s.seen, s.repetition_penalty)
+
+
+def filtered_logits(logits: Float[Array, "B V"], s: SamplerState) -> Float[Array, "B V"]:
+    """The logits a sampling row draws from (`penalized_logits` in): scaled by the temperature,
+    -inf outside top-k, top-p and min-p."""
+    scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
+    thr = jax.lax.cond(needs_sort, _filter_thresholds,
+                       lambda l, *_: jnp.full((l.shape[0], 1), -jnp.inf, l.dtype),
+                       scaled, s.top_k, s.top_p)
+    scaled = jnp.where(scaled >= thr, scaled, -jnp.inf)
+    # min-p: keep p >= min_p * p_max  <=>  logit >= max + log(min_p)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    return jnp.where(scaled >= top + jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
+
+
+def row_keys(s: SamplerState, offset=0) -> jax.Array:
+    """Each row's key for its token at generated index `step + offset`."""
+    step = s.step + offset
+    return jax.vmap(jax.random.fold_in, (0, 0 if jnp.ndim(step) else None))(s.key, step)
+
+
 def sample_tokens(logits: Float[Array, "B V"], s: SamplerState,
                   force: Int[Array, " B"]) -> tuple[Int[Array, " B"], SamplerState]:
     """Next token per row, and the advanced state. `force[i] >= 0` overrides row i with that id
     (equivalent to one-hot logits); `force[i] < 0` samples freely."""
-    logits = logits.astype(jnp.float32)
-    logits = jax.lax.cond(jnp.any(s.repetition_penalty != 1.0), _apply_repetition_penalty,
-                          lambda l, *_: l, logits, s.seen, s.repetition_penalty)
+    logits = penalized_logits(logits, s)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(logits):
-        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
-        thr = jax.lax.cond(needs_sort, _filter_thresholds,
-                           lambda l, *_: jnp.full((l.shape[0], 1), -jnp.inf, l.dtype),
-                           scaled, s.top_k, s.top_p)
-        scaled = jnp.where(scaled >= thr, scaled, -jnp.inf)
-        # min-p: keep p >= min_p * p_max  <=>  logit >= max + log(min_p)
-        top = jnp.max(scaled, axis=-1, keepdims=True)
-        scaled = jnp.where(scaled >= top + jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
         # `step` is `[]` (one batch started together) or `[B]` (rows joined at different steps)
-        keys = jax.vmap(jax.random.fold_in, (0, 0 if jnp.ndim(s.step) else None))(s.key, s.step)
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(row_keys(s), filtered_logits(logits, s)).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda l: greedy, logits)
     token = jnp.where(s.temperature > 0, sampled, greedy)

@@ -22,6 +22,12 @@ Decode steps run as two programs, the forward pass and its sampling: the host bu
 (``Request.grammar``, ``_grammar``) gets its next-token bitmask there, from llguidance (checked at
 ``submit``: a schema it cannot compile is the caller's ``ValueError``).
 
+Speculative decoding (``speculation``, ``_drafts``, ``_verify``): a step in which some row
+drafts is one verify program over every row (the others feed one token, as in a plain step);
+each row emits its kept drafts and one more token through the same ``_push``. Rows whose next
+tokens have rules (a grammar, a tool-choice forcer) or that report logprobs draft nothing; the
+cache's write position advances by the verify width, and compaction reclaims the gaps.
+
 Prefix reuse: at each prompt end and turn end the row's state is snapshotted into a
 ``PrefixCache``; also at ``Request.snapshot_at`` (the end of a conversation that closing notes
 follow, the start of a tool result that a compaction may replace) and where a prompt leaves a
@@ -54,6 +60,7 @@ from collections.abc import Callable, Collection, Sequence
 import jax
 import numpy as np
 
+from ._drafts import Speculation, Speculator
 from ._forcing import ToolChoiceForcer
 from ._grammar import GrammarCompiler, RowGrammar
 from ._handles import Failed, Finished, Handle, QueueFullError, TokenEvent, TokenLogprob, ToolChoice, TurnPlan
@@ -158,11 +165,16 @@ class Scheduler:
                         snapshot).
     sync                multi-host serving (``ProcessSync``): process 0 runs the loop and
                         broadcasts each turn's plan; the other processes run ``follow()``.
+    speculation         a `Speculation` (default: the engine's): a decode step in which some
+                        row drafts is a verify step (``_verify``) with each row's own draft
+                        length; rows with a grammar, a tool-choice forcer or logprobs draft
+                        nothing (their next token's rules are known one token at a time).
     """
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, prefix_cache_bytes: int = 256 << 20,
-                 min_snapshot: int = 16, min_branch: int = 256, sync=None):
+                 min_snapshot: int = 16, min_branch: int = 256, sync=None,
+                 speculation: Speculation | None = None):
         if engine.tokenizer is None:
             raise ValueError("the scheduler needs an Engine built with a tokenizer")
         if max_batch < 1 or max_queue < 1 or min_snapshot < 1:
@@ -201,6 +213,8 @@ class Scheduler:
         self.grammar_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # per masked row-step
         # (seconds, rows) of recent decode steps: dispatch to every row's token handled
         self.step_seconds: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        speculation = speculation or engine.speculation
+        self.speculator = None if speculation is None else Speculator(speculation)
         self._reset_device_state()
 
     @property
@@ -289,6 +303,12 @@ class Scheduler:
         def decode_cache():
             return forward().cache
 
+        def verify(width: int):
+            fed = np.zeros((b, width), np.int32)
+            return core.verify(cache, fed, np.zeros((b,), np.int32), sampler, self._token_rules([None] * b))
+
+        verify_steps = [] if self.speculator is None else [
+            (f"verify {w}", functools.partial(verify, w)) for w in self.speculator.widths()]
         steps = [(f"prefill {self.chunk}", prefill), ("decode", forward), ("sample", decode), ("first token", first),
                  ("insert", lambda: core.insert(cache, prefill().cache, 0, 0)),
                  ("sampler insert", lambda: core.insert_sampler_row(sampler, first().sampler, 0)),
@@ -296,7 +316,8 @@ class Scheduler:
                  ("turn-end snapshot", lambda: core.compile_snapshot(decode_cache())),
                  ("restore", lambda: core.compile_restore(core.compile_snapshot(prefill().cache), self.scratch_len)),
                  ("compact", lambda: core.compact(decode_cache(), np.zeros((b,), bool)))]
-        return steps + [(f"prefill {w}", functools.partial(prefill, w)) for w in prefill_widths(self.chunk)[1:]]
+        return (steps + verify_steps
+                + [(f"prefill {w}", functools.partial(prefill, w)) for w in prefill_widths(self.chunk)[1:]])
 
     # ---- submission ---------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -552,6 +573,8 @@ class Scheduler:
         tok = int(to_host(step.token)[0])
         row.t_first = time.perf_counter()
         self.rows[slot] = row
+        if self.speculator is not None:
+            self.speculator.add(slot, req.prompt)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += n
         self.stats["cached_tokens"] += p.cached_tokens
@@ -584,10 +607,15 @@ class Scheduler:
     # ---- decode -------------------------------------------------------------------------
     def _decode_step(self) -> None:
         live = np.asarray([r is not None for r in self.rows])
-        if self.pos >= self.max_len:
+        drafts = self._drafts()
+        width = self.speculator.width(drafts) if drafts else 0
+        if self.pos + max(width, 1) > self.max_len:
             self.cache = self.core.compact(self.cache, live)
             self.pos = int(to_host(self.cache.pos))
             self.stats["compactions"] += 1
+        if width and self.pos + width <= self.max_len:
+            self._verify_step(live, drafts, width)
+            return
         # The forward pass is dispatched first; the rules (a grammar's bitmask) are built on the
         # host while it runs, then sampled on.
         t0 = time.perf_counter()
@@ -603,10 +631,48 @@ class Scheduler:
                 self._push(slot, int(host[slot]), step.logprobs, slot)
         self.step_seconds.append((time.perf_counter() - t0, int(live.sum())))
 
+    def _drafts(self) -> dict[int, list[int]]:
+        """Each drafting row's draft for this step: rows without a grammar, a tool-choice forcer
+        or logprobs, at most one fewer tokens than they may still emit unforced."""
+        if self.speculator is None:
+            return {}
+        limits = {slot: min(r.ctl.unforced_run(), r.ctl.req.max_new_tokens - len(r.ctl.tokens)) - 1
+                  for slot, r in enumerate(self.rows)
+                  if r is not None and r.grammar is None and r.forcer is None and not r.handle.logprobs}
+        return self.speculator.drafts(limits)
+
+    def _verify_step(self, live: np.ndarray, drafts: dict[int, list[int]], width: int) -> None:
+        """A decode step that verifies each drafting row's draft (`_verify`): every row emits
+        its kept drafts and one token more; a row without a draft, its one token."""
+        t0 = time.perf_counter()
+        fed = np.zeros((self.max_batch, width), np.int32)
+        fed[:, 0] = self.host_tokens
+        lengths = np.zeros((self.max_batch,), np.int32)
+        for slot, d in drafts.items():
+            fed[slot, 1:1 + len(d)] = d
+            lengths[slot] = len(d)
+        verified = self.core.verify(self.cache, fed, lengths, self.sampler, self._token_rules(self.rows))
+        self.cache, self.sampler = verified.cache, verified.sampler
+        self.pos += width
+        out, kept = to_host(verified.tokens), to_host(verified.kept)
+        self.speculator.verified(drafts, {slot: int(kept[slot]) - 1 for slot in drafts})
+        self.stats["verify_steps"] += 1
+        self._token_times.append((time.perf_counter(), int(kept[live].sum())))
+        for slot, r in enumerate(self.rows):
+            if r is None:
+                continue
+            for j in range(int(kept[slot])):
+                self._push(slot, int(out[slot, j]), verified.logprobs, slot)
+                if self.rows[slot] is not r:  # finished
+                    break
+        self.step_seconds.append((time.perf_counter() - t0, int(live.sum())))
+
     def _push(self, slot: int, tok: int, lp: Logprobs, lp_row: int) -> None:
         r = self.rows[slot]
         self.host_tokens[slot] = tok
         delta = r.ctl.push(tok)
+        if self.speculator is not None:
+            self.speculator.emitted(slot, [tok])
         if r.forcer is not None:
             r.forcer.push(tok)
         if r.grammar is not None and not r.grammar.broken:
@@ -626,6 +692,8 @@ class Scheduler:
     def _finish(self, slot: int) -> None:
         r = self.rows[slot]
         self.rows[slot] = None
+        if self.speculator is not None:
+            self.speculator.drop(slot)
         gen = r.ctl.tokens
         fed = list(r.key) + gen[:-1]  # the last id was never fed to the model
         if len(gen) > 1 and len(fed) >= self.min_snapshot and self.prefix.max_bytes:

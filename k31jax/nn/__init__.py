@@ -4,7 +4,7 @@ cache pytree, and counts computed on the abstract model (`abstract_model`: nothi
 `param`, `normal` and `constant` create parameters annotated with logical axis names (sharded
 eagerly under an active mesh): the modules here and the vision tower build with them."""
 
-from ._cache import CACHE_AXES, Cache, KDALayerCache, MLALayerCache, constrain_cache, init_cache, kpe_width
+from ._cache import CACHE_AXES, Cache, KDALayerCache, KDATrail, MLALayerCache, constrain_cache, init_cache, kpe_width
 from ._experts_format import dequantize_experts, quantize_experts
 from ._ffn import DenseMLP, LatentMoE, MoEOutput, PackedExperts, Routing
 from ._kda_layer import KDAMixer
@@ -18,7 +18,7 @@ from ._sizes import ParamCount, count_params
 __all__ = [
     "CACHE_AXES", "INTERMEDIATES", "LAYER_STACKS", "OUT_MAJOR_PROJECTIONS", "OutMajor", "REMAT_POLICIES",
     "ROUTED_EXPERTS", "Cache", "DenseMLP", "HiddenOutput", "Indexer",
-    "K31ForCausalLM", "KDALayerCache", "KDAMixer", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
+    "K31ForCausalLM", "KDALayerCache", "KDAMixer", "KDATrail", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
     "ModelOutput", "MoEOutput", "PackedExperts", "ParamCount", "Routing", "abstract_model", "constant",
     "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "kpe_width", "normal",
     "out_major_projections", "param", "quantize_experts", "unstack_layers",

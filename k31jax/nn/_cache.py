@@ -30,6 +30,33 @@ CACHE_AXES: dict[str, tuple[str | None, ...]] = {
     "key_valid": ("batch", "cache_seq"),                        # [B, S]
     "pos": (),                                                  # []
 }
+# A verify call's `KDATrail` (speculative decoding): each new position's KDA state.
+TRAIL_AXES: dict[str, tuple[str | None, ...]] = {
+    "state": ("layers", "batch", None, "act_heads", None, None),  # [Lk, B, T, H, dk, dv] fp32
+    "conv": ("layers", "batch", None, None, "act_heads", None),   # [Lk, B, T, 3, H·dk, K-1] fp32
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDATrail:
+    """The KDA state after each of a call's T new tokens (`K31ForCausalLM(trail=True)`): what a
+    speculative verify step rolls back to once it knows how many of its tokens a row keeps
+    (`Cache.rollback`). A recurrent state cannot be truncated; keeping every position's costs
+    T times the KDA state for the length of one call (docs/speculative.md §4).
+
+    state  `[Lk, B, T, H, dk, dv]` fp32: the recurrent state after new token t.
+    conv   `[Lk, B, T, 3, H·dk, K-1]` fp32: the conv window after new token t.
+    """
+
+    state: Float[Array, "Lk B T H dk dv"]
+    conv: Float[Array, "Lk B T 3 C Km1"]
+
+    @classmethod
+    def zeros(cls, cache: "Cache", t: int) -> "KDATrail":
+        s, c = cache.kda_state, cache.kda_conv
+        return cls(jnp.zeros(s.shape[:2] + (t,) + s.shape[2:], s.dtype),
+                   jnp.zeros(c.shape[:2] + (t,) + c.shape[2:], c.dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +72,8 @@ class Cache:
     index_keys  `[n_mla, B, S, index_head_dim]` indexer keys (None without the indexer).
     key_valid   `[B, S]` slots holding real (written, non-padding) tokens.
     pos         `[]` int32, tokens written so far (the next write position).
+    kda_trail   the KDA state after each token of the last call, kept by a call made with
+                `trail=True` until `rollback` (`KDATrail`); None otherwise.
     """
 
     kda_state: Float[Array, "Lk B H dk dv"] | None
@@ -54,6 +83,7 @@ class Cache:
     index_keys: Float[Array, "Lm B S dI"] | None
     key_valid: Bool[Array, "B S"]
     pos: Int[Array, ""]
+    kda_trail: KDATrail | None = None
 
     @property
     def max_len(self) -> int:
@@ -67,8 +97,32 @@ class Cache:
         return KDALayerCache(self.kda_state[slot], self.kda_conv[slot])
 
     def with_kda_layer(self, slot, layer: "KDALayerCache") -> "Cache":
-        return self.replace(kda_state=self.kda_state.at[slot].set(layer.state),
-                            kda_conv=self.kda_conv.at[slot].set(layer.conv))
+        new = self.replace(kda_state=self.kda_state.at[slot].set(layer.state),
+                           kda_conv=self.kda_conv.at[slot].set(layer.conv))
+        if self.kda_trail is None:
+            return new
+        trail = KDATrail(self.kda_trail.state.at[slot].set(layer.state_trail),
+                         self.kda_trail.conv.at[slot].set(layer.conv_trail))
+        return new.replace(kda_trail=trail)
+
+    def rollback(self, kept: Int[Array, " B"], t: int) -> "Cache":
+        """After a call of `t` new tokens made with `trail=True`: row b keeps only its first
+        ``kept[b]`` (1..t) of them. Its KDA state and conv window become the trail's at token
+        ``kept[b] - 1``; its later tokens' MLA and indexer rows stop being valid keys (left in
+        place: a gap of invalid keys, as between slots). The trail is dropped."""
+        new = self
+        if self.kda_trail is not None:
+            at = (kept - 1)[None, :, None]
+
+            def pick(trail):  # [Lk, B, t, ...] -> [Lk, B, ...] at each row's last kept token
+                index = at.reshape(at.shape + (1,) * (trail.ndim - 3))
+                return jnp.take_along_axis(trail, index, axis=2)[:, :, 0]
+
+            new = new.replace(kda_state=pick(self.kda_trail.state), kda_conv=pick(self.kda_trail.conv),
+                              kda_trail=None)
+        slots = jnp.arange(self.max_len)[None, :]
+        dropped = (slots >= self.pos - t + kept[:, None]) & (slots < self.pos)
+        return new.replace(key_valid=self.key_valid & ~dropped)
 
     def mla_layer(self, slot) -> "MLALayerCache":
         """The cache of the MLA layer at `slot`: the whole stacks and the row it owns."""
@@ -85,10 +139,14 @@ class KDALayerCache:
 
     state  `[B, H, dk, dv]` fp32, key-major recurrent state.
     conv   `[B, 3, H·dk, K-1]` fp32, last K-1 pre-conv q/k/v inputs, oldest first.
+    state_trail, conv_trail  the same after each new token `[B, T, ...]` (`KDATrail`), when
+           the call keeps them.
     """
 
     state: Float[Array, "B H dk dv"]
     conv: Float[Array, "B 3 C Km1"]
+    state_trail: Float[Array, "B T H dk dv"] | None = None
+    conv_trail: Float[Array, "B T 3 C Km1"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -158,5 +216,8 @@ def constrain_cache(cache: Cache | None) -> Cache | None:
     """Pin every cache leaf to its logical sharding (no-op without a mesh)."""
     if cache is None:
         return None
+    trail = cache.kda_trail
+    if trail is not None:
+        trail = KDATrail(**{name: constrain(getattr(trail, name), *axes) for name, axes in TRAIL_AXES.items()})
     return Cache(**{name: None if getattr(cache, name) is None else constrain(getattr(cache, name), *axes)
-                    for name, axes in CACHE_AXES.items()})
+                    for name, axes in CACHE_AXES.items()}, kda_trail=trail)

@@ -55,7 +55,7 @@ class KDAMixer(nnx.Module):
         self.o_proj = normal(rngs, (c, d), std, dt, ("heads", "embed"))
 
     def __call__(self, x, cache: KDALayerCache | None = None, valid=None, *, backends: Backends | None = None,
-                 segment_ids=None) -> tuple[jax.Array, KDALayerCache]:
+                 segment_ids=None, trail: bool = False) -> tuple[jax.Array, KDALayerCache]:
         """x `[B, T, D]` (post input_layernorm) -> (y `[B, T, D]`, the continued cache).
 
         cache (the recurrent state `[B, H, dk, dv]` fp32 and the conv window `[B, 3, C, K-1]`,
@@ -69,7 +69,12 @@ class KDAMixer(nnx.Module):
         computes exactly what it would alone; padding outputs are zero. Fresh rows only (no
         cache); the returned cache is the row's last document's. Runs the XLA path of the
         recurrence (the kernel takes no segments).
+        trail (with a cache): run the recurrent step over every token, as T decode steps would,
+        and return the state and conv window after each token too (`KDALayerCache.state_trail`,
+        `conv_trail`; a speculative verify step).
         """
+        if trail and cache is None:
+            raise ValueError("KDAMixer: trail=True continues a cache; none was given")
         if segment_ids is not None and cache is not None:
             raise ValueError("KDAMixer: segment_ids (packed rows) start fresh sequences; it cannot "
                              "be combined with a state / conv cache")
@@ -80,12 +85,17 @@ class KDAMixer(nnx.Module):
         if valid is not None:
             x = jnp.where(valid[:, :, None], x, 0)
         hist = [None] * 3 if conv is None else [jnp.swapaxes(conv[:, j], 1, 2) for j in range(3)]
-        branches, new_hist = [], []
+        branches, new_hist, windows = [], [], []
         for proj, w_conv, hst in zip((self.q_proj, self.k_proj, self.v_proj),
                                      (self.q_conv, self.k_conv, self.v_conv), hist):
-            y, hy = short_conv(x @ proj[...], w_conv[...], hst, segment_ids=segment_ids)
+            pre = x @ proj[...]
+            y, hy = short_conv(pre, w_conv[...], hst, segment_ids=segment_ids)
             branches.append(jax.nn.silu(y).reshape(b, t, h, dk))
             new_hist.append(jnp.swapaxes(hy, 1, 2))
+            if trail:  # the window after token i: the K-1 inputs ending there, oldest first
+                full = jnp.concatenate([hst.astype(jnp.float32), pre.astype(jnp.float32)], axis=1)
+                km1 = hst.shape[1]
+                windows.append(jnp.stack([jnp.swapaxes(full[:, i + 1:i + 1 + km1], 1, 2) for i in range(t)], axis=1))
         q, k, v = branches
         q = l2_normalize(q) * dk ** -0.5
         k = l2_normalize(k)
@@ -94,7 +104,11 @@ class KDAMixer(nnx.Module):
         beta = jax.nn.sigmoid((x @ self.b_proj[...]).astype(jnp.float32))
         if valid is not None:
             g, beta = kda_mask_padding(valid, g, beta)
-        if t == 1 and state is not None:
+        state_trail = None
+        if trail:
+            o, state_trail = kda_recurrent(q, k, v, g, beta, state, every_state=True)
+            state = state_trail[:, -1]
+        elif t == 1 and state is not None:
             o, state = kda_recurrent(q, k, v, g, beta, state, impl=kernels)
         else:
             # Tokens whole, heads split: the chunk loop reads its chunks in order, so a token split
@@ -109,4 +123,5 @@ class KDAMixer(nnx.Module):
         gate = jax.nn.sigmoid(gate_in.astype(jnp.float32)).reshape(b, t, h, dk)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
         o = (o * self.o_norm[...] * gate).reshape(b, t, h * dk).astype(x.dtype)
-        return o @ self.o_proj[...], KDALayerCache(state, jnp.stack(new_hist, axis=1))
+        conv_trail = jnp.stack(windows, axis=2) if trail else None
+        return o @ self.o_proj[...], KDALayerCache(state, jnp.stack(new_hist, axis=1), state_trail, conv_trail)

@@ -100,7 +100,8 @@ class MLAMixer(nnx.Module):
         return w[..., :self.dn], w[..., self.dn:]  # W_UK [r, H, dn], W_UV [r, H, dv]
 
     def __call__(self, x, cache: MLALayerCache | None = None, *, pos=0, key_valid=None,
-                 backends: Backends | None = None, segment_ids=None) -> tuple[jax.Array, MLALayerCache | None]:
+                 backends: Backends | None = None, segment_ids=None,
+                 decode_form: bool = False) -> tuple[jax.Array, MLALayerCache | None]:
         """x `[B, T, D]` -> (y, the cache with the new latents written).
 
         Without a cache the T tokens attend among themselves (and None comes back). With one
@@ -114,6 +115,10 @@ class MLAMixer(nnx.Module):
         per contiguous document, 0 = padding; no cache): a query attends, and the indexer
         selects, only within its own document, so every document computes exactly what it
         would alone; padding outputs are zero before o_proj.
+        decode_form: a few queries over a long cache (a speculative verify step): the decode
+        step's forms for any T (absorbed attention over the latent cache, the gathered
+        selection, the index keys scored whole), which read the cache once instead of
+        expanding every key to per-head keys and values as a prefill chunk does.
         """
         if segment_ids is not None and cache is not None:
             raise ValueError("MLAMixer: segment_ids (packed rows) is for the no-cache path; it "
@@ -155,12 +160,12 @@ class MLAMixer(nnx.Module):
         select = self.indexer is not None and self.indexer.top_k < s_len
         if select:
             qi, wi = self.indexer.queries(c_q, x)
-            key_block = self.index_key_block if t > 1 and s_len > self.index_key_block else None
+            key_block = self.index_key_block if t > 1 and not decode_form and s_len > self.index_key_block else None
             sel_idx, sel_valid = select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
                                              key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
                                              segment_ids=segment_ids)
             if sparse_form == "auto":
-                sparse_form = "gather" if t == 1 or t * s_len > self.mask_path_max_elements else "mask"
+                sparse_form = "gather" if t == 1 or decode_form or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_form == "gather":
             # a cache that is a row of the stacks is read there (`mla_attention_sparse`'s layer)
             stacked = cache is not None and cache.layer is not None
@@ -171,7 +176,7 @@ class MLAMixer(nnx.Module):
         else:
             if select:
                 mask = mask & selection_mask(sel_idx, sel_valid, s_len)
-            if t == 1:  # decode: absorbed (MQA) form over the latent cache
+            if t == 1 or decode_form:  # decode: absorbed (MQA) form over the latent cache
                 o = mla_attention_absorbed(q_nope, q_pe, keys_ckv, keys_kpe, w_uk, w_uv, mask, self.scale,
                                            segment_ids=segment_ids)
             else:  # prefill: naive (MHA) form with per-head keys/values expanded from the latent

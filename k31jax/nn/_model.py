@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from ..config import ModelConfig
 from ..ops import Backends, attn_res_mix, rms_norm
 from ..sharding import constrain
-from ._cache import Cache, constrain_cache, init_cache
+from ._cache import Cache, KDATrail, constrain_cache, init_cache
 from ._ffn import DenseMLP, LatentMoE, MoEOutput, Routing
 from ._kda_layer import KDAMixer
 from ._layer_stack import Layer, LayerKind, LayerRows, LayerStacks, run_layers, stack_layers
@@ -99,6 +99,7 @@ class _Call:
     key_valid: jax.Array             # [B, S] valid key slots (cache buffer, or the T tokens)
     pos: jax.Array | int             # write position of the first new token
     collect: tuple[str, ...]         # per-layer intermediates to return
+    trail: bool = False              # decode forms, every position's KDA state kept (verify)
 
 
 def _mix_tokens(call: _Call, kind: LayerKind, layer: Layer, x, cache: Cache | None):
@@ -107,10 +108,10 @@ def _mix_tokens(call: _Call, kind: LayerKind, layer: Layer, x, cache: Cache | No
     if kind.mla:
         mine = None if cache is None else cache.mla_layer(layer.cache_slot)
         y, mine = mixer(x, mine, pos=call.pos, key_valid=call.key_valid, backends=call.backends,
-                        segment_ids=call.segment_ids)
+                        segment_ids=call.segment_ids, decode_form=call.trail)
         return y, None if cache is None else cache.with_mla_layer(mine)
     mine = None if cache is None else cache.kda_layer(layer.cache_slot)
-    y, mine = mixer(x, mine, call.valid, backends=call.backends, segment_ids=call.segment_ids)
+    y, mine = mixer(x, mine, call.valid, backends=call.backends, segment_ids=call.segment_ids, trail=call.trail)
     return y, None if cache is None else cache.with_kda_layer(layer.cache_slot, mine)
 
 
@@ -244,6 +245,7 @@ class K31ForCausalLM(nnx.Module):
         remat: str = "none",
         collect: tuple[str, ...] = (),
         embeds: jax.Array | None = None,
+        trail: bool = False,
     ) -> HiddenOutput:
         """`tokens [B, T]` -> `HiddenOutput` (final normalised hidden states `[B, T, D]`, cache,
         the per-layer intermediates named in `collect` (see `INTERMEDIATES`)).
@@ -259,9 +261,14 @@ class K31ForCausalLM(nnx.Module):
         `Backends()`). remat: "none" | "full" | "dots" per layer (`REMAT_POLICIES`).
         Under a mesh (`k31jax.sharding.activate`), activations are constrained to their
         logical shardings at layer boundaries; without one that is a no-op.
+        trail (with a cache; a speculative verify step): the mixers run their decode forms over
+        the T tokens, as T decode steps would, and the returned cache keeps the KDA state after
+        each token (`Cache.kda_trail`) for `Cache.rollback`.
         """
         cfg = self.config
         _check_inputs(cfg, tokens, cache, segment_ids, collect, embeds)
+        if trail and cache is None:
+            raise ValueError("trail=True keeps the KDA state of each new token of a cache; no cache was given")
         b, t = tokens.shape
         act = jnp.dtype(cfg.dtype)
         embeds = self.embed_tokens(tokens) if embeds is None else embeds
@@ -273,9 +280,11 @@ class K31ForCausalLM(nnx.Module):
             pos = cache.pos
             key_valid = jax.lax.dynamic_update_slice_in_dim(cache.key_valid, new_valid, pos, axis=1)
             cache = cache.replace(key_valid=key_valid)
+            if trail and cache.kda_state is not None:
+                cache = cache.replace(kda_trail=KDATrail.zeros(cache, t))
         graphdefs, stacks = self._layer_stacks()
         call = _Call(cfg, backends or Backends(), graphdefs, valid=valid, segment_ids=segment_ids,
-                     key_valid=key_valid, pos=pos, collect=tuple(collect))
+                     key_valid=key_valid, pos=pos, collect=tuple(collect), trail=trail)
         res = Residual.start(cfg, x0)
         (res, cache), per_layer = run_layers(functools.partial(_decoder_layer, call), (res, cache), stacks, cfg,
                                              scan_layers=scan_layers, remat=remat, cached=cache is not None)
@@ -312,6 +321,7 @@ class K31ForCausalLM(nnx.Module):
         scan_layers: bool = True,
         return_intermediates: bool = False,
         embeds: jax.Array | None = None,
+        trail: bool = False,
     ) -> ModelOutput:
         """Run `tokens [B, T]`, continuing `cache` when given -> `ModelOutput(logits, cache,
         intermediates)`.
@@ -322,7 +332,7 @@ class K31ForCausalLM(nnx.Module):
         """
         collect = INTERMEDIATES if return_intermediates else ()
         out = self.hidden_states(tokens, cache, valid=valid, segment_ids=segment_ids, backends=backends,
-                                 scan_layers=scan_layers, collect=collect, embeds=embeds)
+                                 scan_layers=scan_layers, collect=collect, embeds=embeds, trail=trail)
         intermediates = dict(out.intermediates, final_hidden=out.hidden) if return_intermediates else {}
         return ModelOutput(self.logits(out.hidden), out.cache, intermediates)
 

@@ -127,7 +127,8 @@ def kda_recurrent(
     *,
     impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
-) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"]]:
+    every_state: bool = False,
+) -> tuple[Float[Array, "B T H dv"], Float[Array, "B H dk dv"] | Float[Array, "B T H dk dv"]]:
     """The delta rule one token at a time (kda.md §4): decay, read, write, then read out.
 
     q and k are used as given (already L2-normalised, q scaled). Used for decode steps; fp32.
@@ -138,9 +139,13 @@ def kda_recurrent(
     starts (`segment_starts`), padding steps are identities (g = 0, β = 0) with zero output, and
     the returned state is the row's last document's. Always the XLA path (the kernel takes no
     segments). Equal to running each document alone.
+
+    every_state: return the state after every token `[B, T, H, dk, dv]` instead of the last
+    one (a speculative verify step rolls back to one of them, `k31jax.nn.KDATrail`). Always
+    the XLA path: the kernel keeps its state on chip and writes only the last one.
     """
     impl = resolve_impl(impl, "kda_step")
-    if segment_ids is not None:
+    if segment_ids is not None or every_state:
         impl = "xla"
     if impl != "xla":
         if initial_state is None:
@@ -168,9 +173,14 @@ def kda_recurrent(
         s = s * jnp.exp(gt)[..., None]
         read = jnp.einsum("bhkv,bhk->bhv", s, kt, precision=_HI)
         s = s + jnp.einsum("bhk,bhv->bhkv", kt * bt[..., None], vt - read, precision=_HI)
-        return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HI)
+        out = jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HI)
+        return s, (out, s) if every_state else out
 
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    # a verify step's few tokens run unrolled: a loop iteration costs more than its step there
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs, unroll=every_state)
+    if every_state:
+        o, states = o
+        state = jnp.moveaxis(states, 0, 1)
     o = jnp.moveaxis(o, 0, 1)
     if segment_ids is not None:
         o = jnp.where((segment_ids != 0)[..., None, None], o, 0.0)

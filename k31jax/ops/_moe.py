@@ -83,6 +83,13 @@ def grouped_matmul(
     return y.astype(x_sorted.dtype)
 
 
+# Packed experts on CPU take the gather form below this many assignments per expert: the
+# blocked form pads every expert's rows to a block, so a few tokens (a decode step at batch 8,
+# a speculative verify step) computed 2x what gathering their experts does. Embedded model
+# (32 experts, top-4), ms per forward pass, blocked vs gather: 32 assignments 8.7 vs 4.6,
+# 36: 8.9 vs 4.4, 68: 8.7 vs 7.3, 288: 18 vs 43 (benchmarks/RESULTS.md "## speculative").
+CPU_GATHER_RATIO = 4
+
 # (mean rows per expert below which, block) for the "blocked" path; 256 above the last.
 # Measured on CPU by benchmarks/moe_blocks.py (RESULTS.md "## moe_blocks"): 32 is fastest up
 # to ~32 rows per expert, 64 from 64 to 256 (up to 1.4x faster than 32), 128 or 256 at 1,024
@@ -229,6 +236,7 @@ def routed_experts(
     the same sort, then the Pallas MXFP4 grouped matmul of `k31jax.kernels.mxfp4_matmul`
     (gate and up fused in one launch); otherwise, with fewer assignments than experts,
     "gather" on CPU and for float experts, "selected" for packed experts on other platforms
+    (packed experts on CPU take "gather" up to `CPU_GATHER_RATIO` assignments per expert)
     (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a CPU host gets
     it); else "blocked" on CPU and "ragged" elsewhere. The named forms are XLA paths.
     """
@@ -245,11 +253,12 @@ def routed_experts(
             kernel = resolve_impl(kernels, "mxfp4_gmm")
         if kernel != "xla":
             form = "ragged"  # the ragged form's sort, the kernel's grouped matmul
-        elif n * k < num_experts and packed:
+        elif packed and n * k < CPU_GATHER_RATIO * num_experts:
             return jax.lax.platform_dependent(
                 x, idx, weights, w_gate, w_up, w_down,
                 cpu=functools.partial(routed_experts, form="gather", **options),
-                default=functools.partial(routed_experts, form="selected", **options))
+                default=functools.partial(routed_experts, form="selected" if n * k < num_experts else "ragged",
+                                          **options))
         elif n * k < num_experts:
             form = "gather"
         else:

@@ -65,6 +65,13 @@ def render_metrics(s, ttft_by_endpoint=None) -> str:
     _line(out, "k31jax_grammar_broken_total", "counter", "Grammar rows a forced id left (a budget cut the reply).",
           st["grammar_broken"])
     _line(out, "k31jax_cache_compactions_total", "counter", "Slot-cache compactions.", st["compactions"])
+    spec = s.speculator.stats if s.speculator is not None else None
+    _line(out, "k31jax_speculative_verify_steps_total", "counter", "Decode steps that verified drafts (--speculate).",
+          st["verify_steps"])
+    _line(out, "k31jax_speculative_drafted_tokens_total", "counter", "Draft tokens verified.",
+          0 if spec is None else spec.drafted)
+    _line(out, "k31jax_speculative_accepted_tokens_total", "counter", "Draft tokens kept.",
+          0 if spec is None else spec.accepted)
     out.append("# HELP k31jax_compiles_total Programs compiled, per kind (stable after warm-up).")
     out.append("# TYPE k31jax_compiles_total counter")
     for kind, n in sorted(s.compile_counts.items()):

@@ -211,6 +211,25 @@ def test_k31jax_compile_decode_for_a_tpu_slice(tmp_path, capsys):
 
 
 @needs_libtpu
+def test_k31jax_compile_the_speculative_verify_step(tmp_path):
+    """The verify step (3 drafted tokens and the last one per row, every position's KDA state
+    kept) compiles for a slice beside the decode step: its cache and sampler donated and
+    aliased, the HLO the engine's `_verify` program."""
+    import json
+
+    from k31jax.cli import main
+
+    out = tmp_path / "verify.json"
+    assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=2,tensor=2", "--batch", "2",
+                 "--context", "256", "--step", "verify", "--draft", "3", "--json", str(out), "--dump",
+                 str(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 2 * 4
+    _check_report(report, "verify")
+    assert "jit(_verify)" in (tmp_path / "tiny.verify.hlo.txt").read_text()
+
+
+@needs_libtpu
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_no_float_copy_of_a_layers_experts_at_decode(step, tmp_path):
     """Expert dims no other tensor has (12 local experts, 64 wide, 96 latent): a float

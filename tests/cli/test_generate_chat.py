@@ -292,6 +292,19 @@ def test_cli_generate_prints_text_banner_and_timing(capsys):
     assert "[thinking]" not in out and "new tokens" in err
 
 
+def test_cli_generate_speculates_with_the_same_output(capsys):
+    """--speculate ngram: the same answer as plain decoding, and the timing line says what the
+    drafts did; a bad --max-draft is one usage error."""
+    args = ["generate", "--prompt", "abcabcabcabcabc", "--raw", "--max-new-tokens", "12", *SMALL]
+    assert main(args) == 0
+    plain, _ = capsys.readouterr()
+    assert main([*args, "--speculate", "ngram", "--max-draft", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "speculation:" in err and "drafted tokens kept" in err
+    assert main([*args, "--speculate", "ngram", "--max-draft", "0"]) == 2
+    assert "--max-draft 0" in capsys.readouterr().err
+
+
 class TerminalStream(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -409,3 +409,29 @@ def test_unit_lower_solve_vs_float64(c, sub):
     want = (full[..., :5], full[..., 5:])
     for g, w in zip(got, want):
         assert g.shape == w.shape and np.abs(np.asarray(g, np.float64) - w).max() <= 1e-4 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kda_mixer_trail_is_every_positions_state(variant):
+    """`trail=True` (a speculative verify step): the outputs are the reference's, and the state
+    and conv window after token j are the float64 reference's after the first j + 1 tokens,
+    continuing a random state and window."""
+    cfg, hf, state, _, graphdef = build_kda(variant)
+    rng = np.random.default_rng(3)
+    b, t = 2, 5
+    x = rng.standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
+    s0, conv0 = zeros_cache(cfg, b)
+    s0 = (rng.standard_normal(s0.shape) * 0.5).astype(np.float32)
+    conv0 = rng.standard_normal(conv0.shape).astype(np.float32)
+    y, cache = nnx.merge(graphdef, state)(x, KDALayerCache(s0, conv0), trail=True)
+    assert cache.state_trail.shape == (b, t) + s0.shape[1:] and cache.conv_trail.shape == (b, t) + conv0.shape[1:]
+    np.testing.assert_array_equal(cache.state, cache.state_trail[:, -1])
+    for i in range(b):
+        hist = {br: conv0[i, j].T for j, br in enumerate("qkv")}
+        y_ref, _, _ = R.kda_layer(x[i], hf, ref_cfg(cfg), conv_history=hist, initial_state=s0[i])
+        assert rel_err(y[i], y_ref) < 1e-5
+        for j in range(t):
+            _, s_ref, hist_ref = R.kda_layer(x[i, :j + 1], hf, ref_cfg(cfg), conv_history=hist, initial_state=s0[i])
+            assert rel_err(cache.state_trail[i, j], s_ref) < 1e-5
+            for c, br in enumerate("qkv"):
+                np.testing.assert_allclose(np.asarray(cache.conv_trail[i, j, c]).T, hist_ref[br], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,213 @@
+"""Drafts for speculative decoding, on the host: what each row proposes for a verify step to
+check (``_verify``), and how long its drafts are.
+
+- ``Drafter`` / ``DraftRow``: the interface. A drafter opens a ``DraftRow`` per request (on
+  its prompt), is told each token the row emits, and proposes up to a limit of next tokens
+  per row; ``Drafter.propose`` takes the whole batch, so a small draft model can run one
+  batched forward pass there (the embedded model can draft for any model that shares its
+  tokenizer).
+- ``NgramDrafter`` (prompt lookup): the continuation after the most recent earlier occurrence
+  of the row's last n tokens (prompt and output), longest n first. Agent and coding output
+  repeats its input (an edited file, a quoted tool result); free text rarely matches, and a
+  row without a match drafts nothing, so its step is a plain decode step.
+- ``Speculator``: the loop's side. Per row, the draft length adapts: it doubles after a step
+  that kept every draft, and falls to one more than the drafts kept after a rejection (a row
+  that is far from its source drafts one token at a time until it matches again). It picks
+  the verify width for a batch: one more than the longest draft, rounded up to a power of
+  two, so a loop compiles at most ``log2(max_draft) + 1`` verify programs per batch size.
+- ``Speculation``: the settings (``k31jax generate --speculate ngram``, ``serve --speculate``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+
+class DraftRow(abc.ABC):
+    """One request's drafting state."""
+
+    @abc.abstractmethod
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The tokens the row emitted since the last call (in order)."""
+
+    @abc.abstractmethod
+    def propose(self, limit: int) -> list[int]:
+        """At most `limit` next tokens (none when the drafter has nothing to propose)."""
+
+
+class Drafter(abc.ABC):
+    """Proposes draft tokens; the target model verifies them, so a drafter can only cost speed,
+    never change the output."""
+
+    @abc.abstractmethod
+    def row(self, prompt: Sequence[int]) -> DraftRow:
+        """A row for a request with this prompt."""
+
+    def propose(self, rows: Sequence[DraftRow], limits: Sequence[int]) -> list[list[int]]:
+        """Each row's draft (at most its limit). One call per verify step: a model drafter
+        overrides this to draft the whole batch in one forward pass."""
+        return [row.propose(limit) if limit > 0 else [] for row, limit in zip(rows, limits)]
+
+
+class NgramRow(DraftRow):
+    """A row's tokens and the most recent end of every n-gram in them (n in
+    [min_ngram, max_ngram]), indexed lazily up to the token before the last."""
+
+    def __init__(self, prompt: Sequence[int], min_ngram: int, max_ngram: int):
+        self.tokens = list(prompt)
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in `_ends`
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        seq = self.tokens
+        last = len(seq) - 1
+        for end in range(self._indexed, last):  # never the suffix itself
+            for n in self.sizes:
+                if end - n + 1 >= 0:
+                    self._ends[tuple(seq[end - n + 1:end + 1])] = end
+        self._indexed = max(self._indexed, last)
+        for n in self.sizes:
+            if n > len(seq):
+                continue
+            end = self._ends.get(tuple(seq[-n:]))
+            if end is not None:
+                return seq[end + 1:end + 1 + limit]
+        return []
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the row's
+    last n tokens, for the longest n in [min_ngram, max_ngram] that occurred."""
+
+    def __init__(self, min_ngram: int = 3, max_ngram: int = 6):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes min_ngram={min_ngram}, max_ngram={max_ngram}: expected "
+                             f"1 <= min_ngram <= max_ngram")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def row(self, prompt: Sequence[int]) -> NgramRow:
+        return NgramRow(prompt, self.min_ngram, self.max_ngram)
+
+
+DRAFTERS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding settings.
+
+    drafter    "ngram" (`NgramDrafter`) or a `Drafter`.
+    max_draft  the most tokens a row drafts for one step (the widest verify program feeds
+               max_draft + 1 tokens per row).
+    min_ngram, max_ngram  the n-gram sizes of "ngram".
+    """
+
+    drafter: str | Drafter = "ngram"
+    max_draft: int = 8
+    min_ngram: int = 3
+    max_ngram: int = 6
+
+    def __post_init__(self):
+        if isinstance(self.drafter, str) and self.drafter not in DRAFTERS:
+            raise ValueError(f"speculative drafter {self.drafter!r}: expected one of {DRAFTERS} or a Drafter")
+        if self.max_draft < 1:
+            raise ValueError(f"Speculation(max_draft={self.max_draft}): expected >= 1")
+
+    def make_drafter(self) -> Drafter:
+        if isinstance(self.drafter, Drafter):
+            return self.drafter
+        return NgramDrafter(self.min_ngram, self.max_ngram)
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """Counts over a loop's verify steps: drafted and kept draft tokens, per-row verifications
+    (a row with a draft in a verify step)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verified_rows: int = 0
+    verify_steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Kept drafts / drafted tokens."""
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Kept drafts per row verification."""
+        return self.accepted / max(self.verified_rows, 1)
+
+    def summary(self) -> str:
+        return (f"{self.accepted} of {self.drafted} drafted tokens kept ({self.acceptance:.0%}), "
+                f"{self.mean_accepted:.1f} per verified draft, {self.verify_steps} verify steps")
+
+
+class Speculator:
+    """A loop's drafting: each row's `DraftRow` and draft length, the batch's drafts and verify
+    width, and the counts (`stats`). Rows are keyed by the loop (an index or a slot)."""
+
+    def __init__(self, spec: Speculation):
+        self.spec = spec
+        self.drafter = spec.make_drafter()
+        self._rows: dict[Hashable, DraftRow] = {}
+        self._length: dict[Hashable, int] = {}
+        self.stats = SpeculationStats()
+
+    def add(self, key: Hashable, prompt: Sequence[int]) -> None:
+        self._rows[key] = self.drafter.row(prompt)
+        self._length[key] = max(1, self.spec.max_draft // 2)
+
+    def drop(self, key: Hashable) -> None:
+        self._rows.pop(key, None)
+        self._length.pop(key, None)
+
+    def emitted(self, key: Hashable, tokens: Sequence[int]) -> None:
+        self._rows[key].extend(tokens)
+
+    def drafts(self, limits: dict[Hashable, int]) -> dict[Hashable, list[int]]:
+        """Each keyed row's draft: at most its limit (what the loop allows: tokens it may still
+        emit without a forced or constrained one, minus one) and its adaptive length."""
+        keys = [k for k, limit in limits.items() if limit > 0 and k in self._rows]
+        wanted = [min(limits[k], self._length[k]) for k in keys]
+        proposed = self.drafter.propose([self._rows[k] for k in keys], wanted)
+        return {k: list(d[:w]) for k, d, w in zip(keys, proposed, wanted) if d}
+
+    def widths(self) -> list[int]:
+        """Every width `width` picks (the verify programs a loop may compile)."""
+        out, n = [], 1
+        while True:
+            out.append(1 + min(n, self.spec.max_draft))
+            if n >= self.spec.max_draft:
+                return out
+            n *= 2
+
+    def width(self, drafts: dict[Hashable, list[int]]) -> int:
+        """Tokens a verify step feeds per row for these drafts (0: no draft, a plain step)."""
+        longest = max((len(d) for d in drafts.values()), default=0)
+        if longest == 0:
+            return 0
+        return 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
+
+    def verified(self, drafts: dict[Hashable, list[int]], kept: dict[Hashable, int]) -> None:
+        """Adapt each drafting row's length to the drafts it kept of a verify step."""
+        self.stats.verify_steps += 1
+        for key, draft in drafts.items():
+            n = kept[key]
+            self.stats.drafted += len(draft)
+            self.stats.accepted += n
+            self.stats.verified_rows += 1
+            length = self._length.get(key)
+            if length is None:
+                continue
+            if n < len(draft):
+                self._length[key] = max(1, n + 1)
+            elif n == length:  # every draft kept at full length (a shorter one leaves it)
+                self._length[key] = min(2 * length, self.spec.max_draft)
