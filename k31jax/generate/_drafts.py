@@ -15,6 +15,11 @@ check (``_verify``), and how long its drafts are.
   that is far from its source drafts one token at a time until it matches again). It picks
   the verify width for a batch: one more than the longest draft, rounded up to a power of
   two, so a loop compiles at most ``log2(max_draft) + 1`` verify programs per batch size.
+  It also times every step the loop reports (``timed``): a width whose seconds per emitted
+  token run above a plain step's is not used (a plain step instead) but every
+  ``PROBE_EVERY``-th time, so the estimate follows the workload. Where a verify step costs
+  more than its kept drafts save (a wide batch on CPU, where the step is not bound by bytes),
+  speculation then turns itself off.
 - ``Speculation``: the settings (``k31jax generate --speculate ngram``, ``serve --speculate``).
 """
 
@@ -96,6 +101,8 @@ class NgramDrafter(Drafter):
 
 
 DRAFTERS = ("ngram",)
+PROBE_EVERY = 16  # a width slower per token than a plain step is still tried this often
+EMA = 0.3  # weight of the newest step in the seconds-per-token estimates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +113,15 @@ class Speculation:
     max_draft  the most tokens a row drafts for one step (the widest verify program feeds
                max_draft + 1 tokens per row).
     min_ngram, max_ngram  the n-gram sizes of "ngram".
+    timed      use a verify width only while its steps cost less per emitted token than plain
+               steps do at that batch size (`Speculator.width`); False verifies every draft.
     """
 
     drafter: str | Drafter = "ngram"
     max_draft: int = 8
     min_ngram: int = 3
     max_ngram: int = 6
+    timed: bool = True
 
     def __post_init__(self):
         if isinstance(self.drafter, str) and self.drafter not in DRAFTERS:
@@ -159,6 +169,8 @@ class Speculator:
         self.drafter = spec.make_drafter()
         self._rows: dict[Hashable, DraftRow] = {}
         self._length: dict[Hashable, int] = {}
+        self._per_token: dict[tuple[int, int], float] = {}  # (batch, width; 0 = plain) -> seconds per token
+        self._skipped: dict[tuple[int, int], int] = {}
         self.stats = SpeculationStats()
 
     def add(self, key: Hashable, prompt: Sequence[int]) -> None:
@@ -189,12 +201,32 @@ class Speculator:
                 return out
             n *= 2
 
-    def width(self, drafts: dict[Hashable, list[int]]) -> int:
-        """Tokens a verify step feeds per row for these drafts (0: no draft, a plain step)."""
+    def width(self, drafts: dict[Hashable, list[int]], batch: int = 0) -> int:
+        """Tokens a verify step feeds per row for these drafts (0: a plain step): none without
+        a draft, nor where that width has been slower per emitted token than a plain step for
+        a batch of `batch` live rows (`timed`; tried again every `PROBE_EVERY`-th time)."""
         longest = max((len(d) for d in drafts.values()), default=0)
         if longest == 0:
             return 0
-        return 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
+        width = 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
+        if not self.spec.timed:
+            return width
+        plain, mine = self._per_token.get((batch, 0)), self._per_token.get((batch, width))
+        if plain is None:  # a plain step first, to compare with
+            return 0
+        if mine is not None and mine > plain:
+            skipped = self._skipped.get((batch, width), 0) + 1
+            self._skipped[(batch, width)] = skipped % PROBE_EVERY
+            if skipped % PROBE_EVERY:
+                return 0
+        return width
+
+    def timed(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+        """A step of `width` (0: plain) over `batch` live rows took `seconds` (compiling
+        nothing) and emitted `tokens`."""
+        key, value = (batch, width), seconds / max(tokens, 1)
+        old = self._per_token.get(key)
+        self._per_token[key] = value if old is None else (1 - EMA) * old + EMA * value
 
     def verified(self, drafts: dict[Hashable, list[int]], kept: dict[Hashable, int]) -> None:
         """Adapt each drafting row's length to the drafts it kept of a verify step."""

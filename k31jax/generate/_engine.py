@@ -302,7 +302,8 @@ class Engine:
             limits = {row.index: min(row.unforced_run(), row.req.max_new_tokens - len(row.tokens)) - 1
                       for row in rows if not row.done}
             drafts = spec.drafts(limits)
-            width = spec.width(drafts)
+            live = len(limits)
+            width = spec.width(drafts, live)
             if width and pos + width > self.max_len:  # the live rows' keys to the front
                 cache = core.compact(cache, np.asarray([not row.done for row in rows]))
                 pos = int(np.asarray(cache.pos))
@@ -313,15 +314,21 @@ class Engine:
                 for i, d in drafts.items():
                     fed[i, 1:1 + len(d)] = d
                     lengths[i] = len(d)
+                t0, compiled = time.perf_counter(), core.programs.compile_seconds
                 verified = core.verify(cache, fed, lengths, sampler, rules)
                 cache, sampler = verified.cache, verified.sampler
                 out, kept = np.asarray(verified.tokens), np.asarray(verified.kept)
+                if core.programs.compile_seconds == compiled:
+                    spec.timed(live, width, time.perf_counter() - t0, sum(int(kept[i]) for i in limits))
                 emitted = [out[i, :kept[i]].tolist() for i in range(len(rows))]
                 spec.verified(drafts, {i: int(kept[i]) - 1 for i in drafts})
                 token = jnp.asarray([seq[-1] for seq in emitted], jnp.int32)
                 pos += width
             else:
+                t0, compiled = time.perf_counter(), core.programs.compile_seconds
                 step = core.decode(cache, token, sampler, rules)
                 cache, sampler, token = step.cache, step.sampler, step.token
                 emitted = [[int(t)] for t in np.asarray(token)]
+                if core.programs.compile_seconds == compiled:
+                    spec.timed(live, 0, time.perf_counter() - t0, live)
                 pos += 1

@@ -608,7 +608,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         live = np.asarray([r is not None for r in self.rows])
         drafts = self._drafts()
-        width = self.speculator.width(drafts) if drafts else 0
+        width = self.speculator.width(drafts, int(live.sum())) if drafts else 0
         if self.pos + max(width, 1) > self.max_len:
             self.cache = self.core.compact(self.cache, live)
             self.pos = int(to_host(self.cache.pos))
@@ -618,7 +618,7 @@ class Scheduler:
             return
         # The forward pass is dispatched first; the rules (a grammar's bitmask) are built on the
         # host while it runs, then sampled on.
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), self.core.programs.compile_seconds
         forward = self.core.decode_logits(self.cache, self.host_tokens)
         rules = self._token_rules(self.rows)
         step = self.core.sample(forward.logits, self.sampler, rules, with_logprobs=True)
@@ -626,6 +626,8 @@ class Scheduler:
         self.pos += 1
         host = to_host(step.token)
         self._token_times.append((time.perf_counter(), int(live.sum())))
+        if self.speculator is not None and self.core.programs.compile_seconds == compiled:
+            self.speculator.timed(int(live.sum()), 0, time.perf_counter() - t0, int(live.sum()))
         for slot, r in enumerate(self.rows):
             if r is not None:
                 self._push(slot, int(host[slot]), step.logprobs, slot)
@@ -644,7 +646,7 @@ class Scheduler:
     def _verify_step(self, live: np.ndarray, drafts: dict[int, list[int]], width: int) -> None:
         """A decode step that verifies each drafting row's draft (`_verify`): every row emits
         its kept drafts and one token more; a row without a draft, its one token."""
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), self.core.programs.compile_seconds
         fed = np.zeros((self.max_batch, width), np.int32)
         fed[:, 0] = self.host_tokens
         lengths = np.zeros((self.max_batch,), np.int32)
@@ -655,6 +657,8 @@ class Scheduler:
         self.cache, self.sampler = verified.cache, verified.sampler
         self.pos += width
         out, kept = to_host(verified.tokens), to_host(verified.kept)
+        if self.core.programs.compile_seconds == compiled:
+            self.speculator.timed(int(live.sum()), width, time.perf_counter() - t0, int(kept[live].sum()))
         self.speculator.verified(drafts, {slot: int(kept[slot]) - 1 for slot in drafts})
         self.stats["verify_steps"] += 1
         self._token_times.append((time.perf_counter(), int(kept[live].sum())))

@@ -92,11 +92,11 @@ class Backends:
       kernel bodies on the Pallas interpreter, any backend) or "interpret_tpu" (the Mosaic
       kernel bodies with TPU semantics, any backend). Default: `$K31JAX_KERNELS`, else "auto".
     moe: the routed experts' grouped-matmul form (`ops.routed_experts`): "auto" (packed MXFP4
-      experts take the kernel when `kernels` resolves to one; otherwise, for fewer
-      assignments than experts, "gather" on CPU and "selected" (a loop over the chosen
-      experts) for packed experts elsewhere, then "blocked" on CPU, "ragged" elsewhere), or
-      one of those forms. Under expert parallelism the local form is "selected" or "ragged"
-      ("auto": "selected" for packed experts and few assignments, off CPU).
+      experts take the kernel when `kernels` resolves to one; otherwise, with few
+      assignments per expert (`FEW_ASSIGNMENTS_PER_EXPERT`), "gather" on CPU and "selected"
+      (a loop over the chosen experts) for packed experts elsewhere, then "blocked" on CPU,
+      "ragged" elsewhere), or one of those forms. Under expert parallelism the local form is
+      "selected" or "ragged" ("auto": "selected" for packed experts and few assignments, off CPU).
     sparse: the indexer-selected MLA attention: "auto" (the gather form for decode and long
       prefill, the [T, S] mask form for short prefill), "mask" or "gather".
     ep: expert parallelism under a mesh whose rules split the experts: "auto" (the platform's

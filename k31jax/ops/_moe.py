@@ -83,12 +83,16 @@ def grouped_matmul(
     return y.astype(x_sorted.dtype)
 
 
-# Packed experts on CPU take the gather form below this many assignments per expert: the
-# blocked form pads every expert's rows to a block, so a few tokens (a decode step at batch 8,
-# a speculative verify step) computed 2x what gathering their experts does. Embedded model
-# (32 experts, top-4), ms per forward pass, blocked vs gather: 32 assignments 8.7 vs 4.6,
-# 36: 8.9 vs 4.4, 68: 8.7 vs 7.3, 288: 18 vs 43 (benchmarks/RESULTS.md "## speculative").
-CPU_GATHER_RATIO = 4
+# Below this many (token, expert) assignments per expert, packed experts are read one chosen
+# expert at a time ("selected"; "gather" on CPU) instead of every expert at once ("ragged",
+# which decodes whole stacks; "blocked" on CPU). A few tokens per row leave most of them at
+# below one: a decode step, and a speculative verify step (K3.1 Pro, batch 8 x 9 tokens: 1,152
+# assignments of 896 experts; the ragged form made its traffic 297 GB per chip against a
+# 31 GB floor, benchmarks/RESULTS.md "## compile"). On CPU the blocked form pads every
+# expert's rows to a block, so there too a few tokens computed 2x what gathering their experts
+# does: embedded model (32 experts, top-4), ms per forward pass, blocked vs gather: 32
+# assignments 8.7 vs 4.6, 36: 8.9 vs 4.4, 68: 8.7 vs 7.3, 288: 18 vs 43.
+FEW_ASSIGNMENTS_PER_EXPERT = 4
 
 # (mean rows per expert below which, block) for the "blocked" path; 256 above the last.
 # Measured on CPU by benchmarks/moe_blocks.py (RESULTS.md "## moe_blocks"): 32 is fastest up
@@ -234,9 +238,9 @@ def routed_experts(
     form="auto": for MXFP4 weights, whenever the kernel seam `kernels` resolves to a kernel
     (`_impl.resolve_impl`: None / "auto" picks it on a GPU; "pallas" / "interpret" force it),
     the same sort, then the Pallas MXFP4 grouped matmul of `k31jax.kernels.mxfp4_matmul`
-    (gate and up fused in one launch); otherwise, with fewer assignments than experts,
-    "gather" on CPU and for float experts, "selected" for packed experts on other platforms
-    (packed experts on CPU take "gather" up to `CPU_GATHER_RATIO` assignments per expert)
+    (gate and up fused in one launch); otherwise, for packed experts with fewer than
+    `FEW_ASSIGNMENTS_PER_EXPERT` assignments per expert, "gather" on CPU and "selected" on other
+    platforms; for float experts with fewer assignments than experts, "gather"
     (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a CPU host gets
     it); else "blocked" on CPU and "ragged" elsewhere. The named forms are XLA paths.
     """
@@ -253,12 +257,11 @@ def routed_experts(
             kernel = resolve_impl(kernels, "mxfp4_gmm")
         if kernel != "xla":
             form = "ragged"  # the ragged form's sort, the kernel's grouped matmul
-        elif packed and n * k < CPU_GATHER_RATIO * num_experts:
+        elif packed and n * k < FEW_ASSIGNMENTS_PER_EXPERT * num_experts:
             return jax.lax.platform_dependent(
                 x, idx, weights, w_gate, w_up, w_down,
                 cpu=functools.partial(routed_experts, form="gather", **options),
-                default=functools.partial(routed_experts, form="selected" if n * k < num_experts else "ragged",
-                                          **options))
+                default=functools.partial(routed_experts, form="selected", **options))
         elif n * k < num_experts:
             form = "gather"
         else:

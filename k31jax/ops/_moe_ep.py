@@ -41,7 +41,8 @@ from ..quant import MXFP4KernelWeight, MXFP4Weight, mx_fake_quant_activations, m
 from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
 from ._impl import ImplChoice, kernel_or_reference, resolve_impl
-from ._moe import RAGGED_DOT_DIMS, expert_window, materialize, one_expert, visit_selected_experts
+from ._moe import (FEW_ASSIGNMENTS_PER_EXPERT, RAGGED_DOT_DIMS, expert_window, materialize, one_expert,
+                   visit_selected_experts)
 
 EXCHANGES = ("ragged", "dense", "allgather")
 _HI = jax.lax.Precision.HIGHEST
@@ -357,8 +358,9 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     expert and tensor axes) and split over `plan.token_axes`.
 
     local: each device's grouped matmul (`_expert_rows`): "ragged", "selected", or "auto" —
-    "selected" off CPU for packed experts and fewer assignments than experts (decode, short
-    prefill: each device then reads only the experts its rows chose), "ragged" otherwise.
+    "selected" off CPU for packed experts and fewer than `FEW_ASSIGNMENTS_PER_EXPERT`
+    assignments per expert (decode, a speculative verify step, short prefill: each device then
+    reads only the experts its rows chose), "ragged" otherwise.
     round_bytes: the ragged form exchanges a device's tokens in `exchange_rounds` rounds whose
     worst-case fp32 receive buffer holds at most this.
     kernels: the kernel seam (`_impl.resolve_impl`) for packed experts: where it resolves to a
@@ -370,7 +372,7 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     kernel = resolve_impl(kernels, "mxfp4_gmm") if packed and not weight_fake_quant else "xla"
     if kernel != "xla":
         local = "kernel"
-    if local == "auto" and not (packed and n * k < plan.num_experts):
+    if local == "auto" and not (packed and n * k < FEW_ASSIGNMENTS_PER_EXPERT * plan.num_experts):
         local = "ragged"
     if local not in ("auto", "ragged", "selected", "kernel"):
         local = "ragged"  # the single-device forms (blocked, gather) have no expert-parallel variant

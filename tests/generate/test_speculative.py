@@ -67,7 +67,7 @@ def test_ngram_drafts_the_continuation_of_the_latest_longest_match():
 
 
 def test_speculator_adapts_lengths_and_picks_few_widths():
-    spec = Speculator(Speculation(max_draft=8))
+    spec = Speculator(Speculation(max_draft=8, timed=False))
     spec.add("a", [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
     assert spec.widths() == [2, 3, 5, 9]
     drafts = spec.drafts({"a": 100})
@@ -79,6 +79,20 @@ def test_speculator_adapts_lengths_and_picks_few_widths():
     spec.verified({"a": [4, 5, 6, 7, 8, 9, 1, 2]}, {"a": 1})  # rejected after one: 2
     assert spec.drafts({"a": 100}) == {"a": [4, 5]}
     assert (spec.stats.drafted, spec.stats.accepted, spec.stats.verified_rows) == (12, 5, 2)
+
+
+def test_a_width_slower_per_token_than_a_plain_step_is_only_probed():
+    spec = Speculator(Speculation(max_draft=4))
+    drafts = {"a": [1, 2, 3, 4]}
+    assert spec.width(drafts, 2) == 0  # no plain step timed yet at batch 2: one first
+    spec.timed(2, 0, 0.010, 2)  # 5 ms per token
+    assert spec.width(drafts, 2) == 5
+    spec.timed(2, 5, 0.030, 4)  # 7.5 ms per token: slower
+    assert [spec.width(drafts, 2) for _ in range(16)] == [0] * 15 + [5]  # probed every 16th time
+    spec.timed(2, 5, 0.010, 10)  # now 1 ms per token: 0.7 * 7.5 + 0.3 * 1 = 5.55, still slower
+    spec.timed(2, 5, 0.010, 10)  # 4.2 ms per token: faster
+    assert spec.width(drafts, 2) == 5
+    assert spec.width(drafts, 1) == 0  # another batch size has its own figures
     with pytest.raises(ValueError, match="drafter"):
         Speculation("medusa")
 
@@ -212,7 +226,7 @@ def test_greedy_speculation_is_token_for_token_plain(make, batch):
     prompts = _prompts(batch, seed=batch)
     plain = Engine(model, max_len=112, prefill_chunk=16).generate(prompts, 64, stop_ids=NO_STOP)
     engine = Engine(model, max_len=112, prefill_chunk=16,
-                    speculation=Speculation(Oracle(prompts, plain.tokens), max_draft=4))
+                    speculation=Speculation(Oracle(prompts, plain.tokens), max_draft=4, timed=False))
     spec = engine.generate(prompts, 64, stop_ids=NO_STOP)
     assert spec.tokens == plain.tokens
     st = engine.last_result.speculation
@@ -232,7 +246,8 @@ def test_embedded_model_ngram_speculation_is_plain_greedy():
              "def area(width, height):\n    return width * height\n\n\n" * 3 + "def area("]
     prompts = [tok.encode(heads[i % 4] + "    " * (i // 4)) for i in range(8)]
     plain = Engine(lm.model, tok, max_len=256, prefill_chunk=64)
-    spec = Engine(lm.model, tok, max_len=256, prefill_chunk=64, speculation=Speculation("ngram", max_draft=4))
+    spec = Engine(lm.model, tok, max_len=256, prefill_chunk=64,
+                  speculation=Speculation("ngram", max_draft=4, timed=False))
     want = plain.generate(prompts[:1], 48, stop_ids=NO_STOP).tokens
     assert spec.generate(prompts[:1], 48, stop_ids=NO_STOP).tokens == want
     assert spec.last_result.speculation.accepted > 10
@@ -250,7 +265,7 @@ def test_speculation_honours_the_thinking_budget_and_stop_strings(tiny_model):
     plain = Engine(tiny_model, tok, max_len=160, prefill_chunk=16).generate(prompts, 40, **kw)
     engine = Engine(tiny_model, tok, max_len=160, prefill_chunk=16,
                     speculation=Speculation(Oracle(prompts, [t + [0] * 8 for t in _free_run(tiny_model, tok, prompts)]),
-                                            max_draft=4))
+                                            max_draft=4, timed=False))
     spec = engine.generate(prompts, 40, **kw)
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert [c.forced_at for c in spec.completions] == [c.forced_at for c in plain.completions]
@@ -277,7 +292,7 @@ def test_sampled_speculation_has_plain_sampling_distribution():
             return _OracleRow(greedy, np.random.default_rng(0))
 
     counts = {}
-    for name, spec in (("plain", None), ("spec", Speculation(Fixed(), max_draft=2))):
+    for name, spec in (("plain", None), ("spec", Speculation(Fixed(), max_draft=2, timed=False))):
         engine = Engine(model, max_len=64, prefill_chunk=16, speculation=spec)
         rows = []
         for start in range(0, n, batch):
@@ -300,7 +315,7 @@ def test_scheduler_speculation_is_plain_greedy_with_nothing_compiled_after_warmu
     engine = Engine(lm.model, tok, max_len=192, prefill_chunk=8)
     want = [engine.generate([p], 24, stop_ids=NO_STOP).tokens[0] for p in prompts]
     sched = Scheduler(engine, max_batch=4, prefill_chunk=8,
-                      speculation=Speculation(Oracle(prompts, want, seed=3), max_draft=2))
+                      speculation=Speculation(Oracle(prompts, want, seed=3), max_draft=2, timed=False))
     sched.warmup()
     counts = dict(sched.compile_counts)
     assert counts["verify"] == 2
