@@ -160,17 +160,45 @@ class SpeculationStats:
                 f"{self.mean_accepted:.1f} per verified draft, {self.verify_steps} verify steps")
 
 
+class StepTimings:
+    """Seconds per emitted token of plain and verify steps, by (live rows, width; 0 = plain),
+    as moving averages, and which widths are worth a step. An `Engine` keeps one across its
+    `generate` calls, so a call does not start by re-learning that a width is slow."""
+
+    def __init__(self):
+        self._per_token: dict[tuple[int, int], float] = {}
+        self._skipped: dict[tuple[int, int], int] = {}
+
+    def record(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+        key, value = (batch, width), seconds / max(tokens, 1)
+        old = self._per_token.get(key)
+        self._per_token[key] = value if old is None else (1 - EMA) * old + EMA * value
+
+    def allows(self, batch: int, width: int) -> bool:
+        """Whether a verify step of `width` over `batch` rows should run now: not before a plain
+        step at that batch size has been timed, and, where the width has been slower per token
+        than plain steps, only every `PROBE_EVERY`-th time."""
+        plain, mine = self._per_token.get((batch, 0)), self._per_token.get((batch, width))
+        if plain is None:
+            return False
+        if mine is not None and mine > plain:
+            skipped = self._skipped.get((batch, width), 0) + 1
+            self._skipped[(batch, width)] = skipped % PROBE_EVERY
+            return skipped % PROBE_EVERY == 0
+        return True
+
+
 class Speculator:
     """A loop's drafting: each row's `DraftRow` and draft length, the batch's drafts and verify
-    width, and the counts (`stats`). Rows are keyed by the loop (an index or a slot)."""
+    width, and the counts (`stats`). Rows are keyed by the loop (an index or a slot).
+    `timings`: the step timings to use and add to (default: new ones)."""
 
-    def __init__(self, spec: Speculation):
+    def __init__(self, spec: Speculation, timings: StepTimings | None = None):
         self.spec = spec
         self.drafter = spec.make_drafter()
         self._rows: dict[Hashable, DraftRow] = {}
         self._length: dict[Hashable, int] = {}
-        self._per_token: dict[tuple[int, int], float] = {}  # (batch, width; 0 = plain) -> seconds per token
-        self._skipped: dict[tuple[int, int], int] = {}
+        self.timings = StepTimings() if timings is None else timings
         self.stats = SpeculationStats()
 
     def add(self, key: Hashable, prompt: Sequence[int]) -> None:
@@ -209,24 +237,14 @@ class Speculator:
         if longest == 0:
             return 0
         width = 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
-        if not self.spec.timed:
+        if not self.spec.timed or self.timings.allows(batch, width):
             return width
-        plain, mine = self._per_token.get((batch, 0)), self._per_token.get((batch, width))
-        if plain is None:  # a plain step first, to compare with
-            return 0
-        if mine is not None and mine > plain:
-            skipped = self._skipped.get((batch, width), 0) + 1
-            self._skipped[(batch, width)] = skipped % PROBE_EVERY
-            if skipped % PROBE_EVERY:
-                return 0
-        return width
+        return 0
 
     def timed(self, batch: int, width: int, seconds: float, tokens: int) -> None:
         """A step of `width` (0: plain) over `batch` live rows took `seconds` (compiling
         nothing) and emitted `tokens`."""
-        key, value = (batch, width), seconds / max(tokens, 1)
-        old = self._per_token.get(key)
-        self._per_token[key] = value if old is None else (1 - EMA) * old + EMA * value
+        self.timings.record(batch, width, seconds, tokens)
 
     def verified(self, drafts: dict[Hashable, list[int]], kept: dict[Hashable, int]) -> None:
         """Adapt each drafting row's length to the drafts it kept of a verify step."""

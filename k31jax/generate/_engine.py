@@ -36,7 +36,7 @@ import numpy as np
 from ..ops import Backends
 from ..vision import ImagePrompts
 from ._core import GenerationCore
-from ._drafts import Speculation, SpeculationStats, Speculator
+from ._drafts import Speculation, SpeculationStats, Speculator, StepTimings
 from ._healing import first_token_mask
 from ._logits import TokenRules, pack_mask
 from ._requests import Completion, Request, RowController, StreamDelta, normalize_requests
@@ -142,6 +142,7 @@ class Engine:
         self.min_bucket = min_bucket
         self.pipeline = pipeline
         self.speculation = speculation
+        self._step_timings = StepTimings()  # kept across calls: a call starts knowing which widths pay
         self.last_result: GenerationResult | None = None
 
     @property
@@ -233,7 +234,7 @@ class Engine:
         t_first = time.perf_counter()
         compile_prefill = core.programs.compile_seconds - compile_before
 
-        speculator = None if self.speculation is None else Speculator(self.speculation)
+        speculator = None if self.speculation is None else Speculator(self.speculation, self._step_timings)
         if speculator is not None:
             n_steps = yield from self._speculate(speculator, rows, reqs, cache, token, sampler, host, length)
         else:

@@ -93,6 +93,9 @@ def test_a_width_slower_per_token_than_a_plain_step_is_only_probed():
     spec.timed(2, 5, 0.010, 10)  # 4.2 ms per token: faster
     assert spec.width(drafts, 2) == 5
     assert spec.width(drafts, 1) == 0  # another batch size has its own figures
+    later = Speculator(Speculation(max_draft=4), spec.timings)  # an Engine's next call
+    assert later.width(drafts, 2) == 5 and later.width(drafts, 1) == 0
+    assert Speculator(Speculation(max_draft=4)).width(drafts, 2) == 0
     with pytest.raises(ValueError, match="drafter"):
         Speculation("medusa")
 
