@@ -47,14 +47,6 @@ from helpers.model import randomize  # noqa: E402
 from k31jax import K31ForCausalLM  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs_after_each_module():
-    """Each module starts with no compiled programs kept from the last (see below)."""
-    yield
-    jax.clear_caches()
-    gc.collect()
-
-
 def _mapped_regions() -> int:
     """The process's memory mappings (Linux; 0 where /proc is absent)."""
     try:
@@ -79,14 +71,25 @@ def _map_limit() -> int:
 _MAPS_BEFORE_CLEARING = _map_limit() // 3
 
 
+def _drop_compiled_programs() -> None:
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """Each module starts with no compiled programs kept from the last."""
+    yield
+    _drop_compiled_programs()
+
+
 @pytest.fixture(autouse=True)
 def _drop_compiled_programs_when_mappings_run_high():
     """After a test, drop jit's compiled programs once the process holds more than a third of its
     allowed memory mappings, so the next test's compiles cannot hit the cap."""
     yield
     if _mapped_regions() > _MAPS_BEFORE_CLEARING:
-        jax.clear_caches()
-        gc.collect()
+        _drop_compiled_programs()
 
 
 @pytest.fixture
