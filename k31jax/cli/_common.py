@@ -131,7 +131,8 @@ def install(parser: argparse.ArgumentParser, command: str, run: Callable, *,
     parser.set_defaults(func=functools.partial(run_command, f"k31jax {command}", run, validate))
 
 
-def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+def add_distributed_arguments(parser: argparse.ArgumentParser, *,
+                              mesh_help: str = "run sharded on this mesh, e.g. expert=8,tensor=8") -> None:
     """`--coordinator host:port --num-processes N --process-id I [--cpu-collectives gloo]`
     and `--mesh expert=8,tensor=8`."""
     g = parser.add_argument_group("multi-process / sharding (jax.distributed)")
@@ -142,7 +143,7 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-collectives", default=None, choices=["gloo", "mpi"],
                    help="cross-process collectives on CPU devices")
     g.add_argument("--num-cpu-devices", type=int, default=None, help="fake CPU devices per process")
-    g.add_argument("--mesh", default=None, help="run sharded on this mesh, e.g. expert=8,tensor=8")
+    g.add_argument("--mesh", default=None, help=mesh_help)
     g.add_argument("--rules", default=None, help="rule table (tp, ep_tp, fsdp_ep_tp, ep_in_tp; "
                    "default: chosen from the mesh)")
 

@@ -3,26 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
-from ..distributed import initialize
+import jax
+
+from ..distributed import is_primary, peer_failure, shard_model
+from ..sharding import activate
 from ..nn import REMAT_POLICIES, quantize_experts
 from ..generate import DEFAULT_MODEL
 from ..train import (DISTILL_STAGES, MASTER_DTYPES, OPTIMIZERS, RUN_FILE, SIGTERM_EXIT, TRAINABLE_SETS, DataConfig,
                      OptimConfig, TrainConfig, Trainer, eval_split, evaluate, indexer_recall, load_any, plot_metrics,
                      with_config, with_index_topk)
-from ._common import UsageError, check_float, check_int, check_mesh_spec, check_rules, enable_compile_cache, install
+from ._common import (UsageError, add_distributed_arguments, check_float, check_int, check_mesh_args,
+                      enable_compile_cache, initialize_from_args, install, mesh_from_args)
 
-# Settings a resumed run may change; everything else must stay as the run was started.
-_RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches")
+# Settings a resumed run may change; everything else must stay as the run was started. The
+# mesh may change too: a checkpoint restores onto another mesh and number of processes.
+_RESUMABLE = ("steps", "save_every", "keep", "log_every", "eval_every", "eval_batches", "mesh", "rules")
 
 
 def _fail(cmd: str, message: str, code: int = 1) -> int:
     print(f"k31jax {cmd}: error: {message}", file=sys.stderr)
     return code
+
+
+def _lost_peer(cmd: str, error: BaseException) -> None:
+    """A peer process died: say so in one line and leave at once. Returning would run
+    `jax.distributed`'s shutdown, which waits for the dead peer and then aborts with a
+    multi-line fatal log; the last checkpoint stays the place to resume from."""
+    line = peer_failure(error)
+    if line is None:
+        return
+    print(f"k31jax {cmd}: error: {line}; this process stops too (resume from the last checkpoint with --resume)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _config_from_args(args) -> TrainConfig:
@@ -47,7 +67,8 @@ def _config_from_args(args) -> TrainConfig:
 def _resumed_config(args) -> TrainConfig:
     saved = TrainConfig.from_json(json.loads((Path(args.out) / RUN_FILE).read_text()))
     changes = {name: getattr(args, name) for name in _RESUMABLE if getattr(args, name) is not None}
-    return dataclasses.replace(saved, **changes)
+    # the folder as given now: a run folder that was moved or copied resumes where it is
+    return dataclasses.replace(saved, out=args.out, **changes)
 
 
 def _defaults(args: argparse.Namespace) -> None:
@@ -62,7 +83,8 @@ def _cmd_train(args) -> int:
     _defaults(args)
     enable_compile_cache()
     try:
-        initialize()  # multi-host when K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID are set
+        # several processes: the flags, or K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
+        initialize_from_args(args)
         if args.resume:
             if not (Path(args.out) / RUN_FILE).exists():
                 return _fail("train", f"--resume: {args.out} holds no training run ({RUN_FILE} missing)")
@@ -73,12 +95,22 @@ def _cmd_train(args) -> int:
                 return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
             cfg = _config_from_args(args)
         with Trainer(cfg, resume=args.resume) as trainer:
-            print(f"[k31jax] {trainer.holdout.line(trainer.cfg.data.holdout_fraction)}", file=sys.stderr)
-            result = trainer.run(progress=not args.no_progress, export=not args.no_export)
+            if is_primary():
+                print(f"[k31jax] {trainer.holdout.line(trainer.cfg.data.holdout_fraction)}", file=sys.stderr)
+            try:
+                result = trainer.run(progress=not args.no_progress, export=not args.no_export)
+            except jax.errors.JaxRuntimeError as e:  # before closing the checkpoints waits for the dead peer
+                _lost_peer("train", e)
+                raise
+    except jax.errors.JaxRuntimeError as e:
+        _lost_peer("train", e)
+        raise
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         if args.debug:
             raise
         return _fail("train", str(e))
+    if not is_primary():  # process 0 reports the run
+        return SIGTERM_EXIT if result.interrupted else 0
     if result.interrupted:
         print(f"[k31jax] stopped by a signal at step {result.step}; checkpoint saved, continue with --resume",
               file=sys.stderr)
@@ -95,6 +127,20 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
     enable_compile_cache()
     try:
+        initialize_from_args(args)
+        mesh = mesh_from_args(args)
+        if jax.process_count() > 1 and mesh is None:
+            return _fail("eval", f"--num-processes {jax.process_count()}: evaluating on several processes needs "
+                                 "--mesh over every process's devices")
+        with activate(mesh, args.rules) if mesh is not None else contextlib.nullcontext():
+            return _evaluate(args, mesh)
+    except jax.errors.JaxRuntimeError as e:
+        _lost_peer("eval", e)
+        raise
+
+
+def _evaluate(args, mesh) -> int:
+    try:
         model, tokenizer, source = load_any(args.ckpt, tokenizer=args.tokenizer)
         if args.dtype is not None and args.dtype != model.config.dtype:
             model = with_config(model, model.config.replace(dtype=args.dtype))
@@ -104,10 +150,12 @@ def _cmd_eval(args) -> int:
             model = quantize_experts(model)
         data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size)
         data, split, why = eval_split(data, args.ckpt, split=args.split, holdout_fraction=args.holdout_fraction)
-        if why:
+        if why and is_primary():
             print(f"[k31jax] {why}", file=sys.stderr)
         recall = None
         if args.indexer_recall:
+            if jax.process_count() > 1:
+                return _fail("eval", "--indexer-recall runs on one process (drop --num-processes)")
             if not model.config.use_indexer:
                 return _fail("eval", "--indexer-recall needs a model with the lightning indexer (index_topk is None)")
             top_k = args.top_k or (max(1, round(args.top_k_fraction * args.seq_len)) if args.top_k_fraction
@@ -117,12 +165,16 @@ def _cmd_eval(args) -> int:
             if not model.config.use_indexer:
                 return _fail("eval", "--index-topk needs a model with the lightning indexer (index_topk is None)")
             model = with_index_topk(model, args.seq_len if args.index_topk == "dense" else int(args.index_topk))
+        if mesh is not None:
+            model = shard_model(model, mesh, args.rules)
         result = evaluate(model, tokenizer, data, max_batches=args.max_batches, split=split,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, mesh=mesh)
     except (ValueError, FileNotFoundError, OSError) as e:
         if args.debug:
             raise
         return _fail("eval", str(e))
+    if not is_primary():  # process 0 reports the result
+        return 0
     what = " (routed experts rounded to MXFP4 after training)" if args.quantize_experts else ""
     if model.config.use_indexer:
         k = model.config.index_topk
@@ -169,7 +221,7 @@ def register(sub) -> None:
     t.add_argument("--mxfp8-activations", action="store_true", help="also round expert GEMM inputs to MXFP8")
     t.add_argument("--dtype", default="float32", choices=MASTER_DTYPES, help="master weights (default float32)")
     t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--batch-size", type=int, default=8, help="packed rows per micro-batch")
+    t.add_argument("--batch-size", type=int, default=8, help="packed rows per micro-batch, all processes together")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     t.add_argument("--lr", type=float, default=3e-4)
@@ -203,12 +255,12 @@ def register(sub) -> None:
     t.add_argument("--log-every", type=int, default=None)
     t.add_argument("--eval-every", type=int, default=None)
     t.add_argument("--eval-batches", type=int, default=None)
-    t.add_argument("--mesh", default=None, help="train sharded on this mesh, e.g. data=2,fsdp=4")
-    t.add_argument("--rules", default=None, help="rule table (default: from the mesh)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--no-export", action="store_true", help="skip the final release / Orbax export")
     t.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    add_distributed_arguments(t, mesh_help="train sharded on this mesh, e.g. fsdp=2,expert=2,tensor=2 (with "
+                                           "several processes: over every process's devices)")
     install(t, "train", _cmd_train, validate=_check_train_args)
 
     e = sub.add_parser("eval", help="held-out loss and bits per byte of a checkpoint (or the embedded model)")
@@ -242,6 +294,8 @@ def register(sub) -> None:
     e.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--debug", action="store_true")
+    add_distributed_arguments(e, mesh_help="evaluate sharded on this mesh (with several processes: over every "
+                                           "process's devices)")
     install(e, "eval", _cmd_eval, validate=_check_eval_args)
 
     p = sub.add_parser("plot", help="loss curves of training runs (matplotlib)")
@@ -277,14 +331,13 @@ def _check_train_args(args) -> None:
     check_float("--lora-alpha", args.lora_alpha, low=0, low_open=True)
     for flag in ("weight_decay", "clip_norm", "z_loss", "bias_update_rate", "balance_loss"):
         check_float(f"--{flag.replace('_', '-')}", getattr(args, flag), low=0)
-    if args.mesh:
-        check_mesh_spec("--mesh", args.mesh)
-    check_rules("--rules", args.rules)
+    check_mesh_args(args)
     _check_data_paths(args, "training data")
 
 
 def _check_eval_args(args) -> None:
     _check_data_args(args)
+    check_mesh_args(args)
     check_int("--max-batches", args.max_batches, low=1, optional=True)
     if args.index_topk is not None and args.index_topk != "dense":
         try:

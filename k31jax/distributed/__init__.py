@@ -1,5 +1,7 @@
 """Placing the model on meshes: sharded init and restore, cache placement, the per-device
-memory planner, and process setup (`jax.distributed`; `tune_host_malloc` for XLA:CPU buffers).
+memory planner, and process setup (`jax.distributed`; `tune_host_malloc` for XLA:CPU buffers)
+with what a multi-process run's processes agree on (`is_primary`, `barrier`, `any_process`,
+`host_copy`, `peer_failure`).
 
 Typical use::
 
@@ -18,6 +20,7 @@ The training planner's choices (`OPTIMIZERS`, `TRAINABLE_SETS`, `MASTER_DTYPES`)
 
 from ._host_malloc import backends_started, tune_host_malloc
 from ._initialize import initialize
+from ._processes import any_process, barrier, host_copy, is_primary, peer_failure
 from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_specs, describe, init_sharded,
                          init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
                          state_shardings, state_specs)
@@ -26,8 +29,8 @@ from ._plan_train import (MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, TrainingMem
                           suggest_training_mesh)
 
 __all__ = [
-    "DEVICES", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "backends_started", "cache_shardings",
-    "cache_specs", "describe", "init_sharded", "init_sharded_cache", "initialize", "is_trained", "load_sharded", "logical_axes",
-    "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
+    "DEVICES", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "any_process", "backends_started", "barrier", "cache_shardings",
+    "cache_specs", "describe", "host_copy", "init_sharded", "init_sharded_cache", "initialize", "is_primary", "is_trained", "load_sharded", "logical_axes",
+    "peer_failure", "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
     "suggest_mesh", "suggest_training_mesh", "tune_host_malloc",
 ]

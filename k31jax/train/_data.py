@@ -269,9 +269,10 @@ class DataConfig:
 
     ``seed`` orders the training stream; ``holdout_seed`` alone picks the held-out documents,
     so runs with different shuffling seeds are evaluated on the same text.
-    ``num_epochs=None`` repeats the training split forever. ``num_processes`` /
-    ``process_index``: each process gets its ``batch_size`` rows of every global batch of
-    ``num_processes * batch_size`` rows. ``packing_bins``: rows the first-fit packer fills at
+    ``num_epochs=None`` repeats the training split forever. ``batch_size`` counts the rows of
+    a whole batch, all processes together: with ``num_processes`` / ``process_index`` each
+    process gets its ``batch_size / num_processes`` rows of every batch, so a run's batches (and
+    its saved position in them) do not depend on how many processes read them. ``packing_bins``: rows the first-fit packer fills at
     once (more bins, less padding). ``doc_separator``: split text files into documents.
     ``holdout_by`` / ``chunk_chars``: how the held-out split is made (the module docstring).
     """
@@ -308,6 +309,9 @@ class DataConfig:
             problems.append(f"num_epochs {self.num_epochs} < 1 (use None to repeat forever)")
         if not 0 <= self.process_index < self.num_processes:
             problems.append(f"process_index {self.process_index} outside [0, num_processes={self.num_processes})")
+        if self.num_processes >= 1 and self.batch_size % self.num_processes:
+            problems.append(f"batch_size {self.batch_size} (rows of all processes together) is not a multiple of "
+                            f"num_processes {self.num_processes}")
         if self.packing_bins < 1:
             problems.append(f"packing_bins {self.packing_bins} < 1")
         if self.doc_separator == "":

@@ -55,21 +55,29 @@ class MetricsLog:
 
     Array metrics (per-layer router statistics) go to the JSON line as lists and to
     TensorBoard as one scalar per layer. On resume, lines beyond the resumed step are dropped
-    first, so the file holds one line per step however often a run was interrupted."""
+    first, so the file holds one line per step however often a run was interrupted.
+
+    ``writes=False`` (every process of a multi-process run but process 0): nothing is written
+    and no bar is drawn, so one run folder gets one metrics file and one set of event files."""
 
     def __init__(self, out: str | os.PathLike, *, resume_step: int = 0, progress_total: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, writes: bool = True):
         self.path = Path(out) / METRICS_FILE
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self._file = self.path.open("a")
-        self._tb = SummaryWriter(str(Path(out) / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        self.writes = writes
+        self._file = self._tb = None
+        if writes:
+            if self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= resume_step]
+                self.path.write_text("".join(line + "\n" for line in kept))
+            self._file = self.path.open("a")
+            self._tb = SummaryWriter(str(Path(out) / "tb"), purge_step=resume_step + 1 if resume_step else None)
         self._bar = tqdm(total=progress_total, initial=resume_step, unit="step", dynamic_ncols=True,
-                         disable=not progress)
+                         disable=not (progress and writes))
 
     def write(self, step: int, metrics: Mapping[str, object]) -> None:
+        if not self.writes:
+            return
         row: dict[str, object] = {"step": step}
         for key, value in metrics.items():
             scalar = _scalar(value)
@@ -95,8 +103,9 @@ class MetricsLog:
 
     def close(self) -> None:
         self._bar.close()
-        self._tb.close()
-        self._file.close()
+        if self.writes:
+            self._tb.close()
+            self._file.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

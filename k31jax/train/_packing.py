@@ -133,17 +133,16 @@ def batch_for_process(
     rows: IterDataset, batch_size: int, *, num_processes: int, process_index: int,
     pad_last: bool,
 ) -> IterDataset:
-    """Rows → ``[batch_size, T]`` batches for one process.
+    """Rows → ``[batch_size / num_processes, T]`` batches for one process.
 
-    Every process builds the same global batch of ``num_processes * batch_size`` rows and
-    keeps its slice, so all processes see the same number of batches and the global batch
-    does not depend on the process count. ``pad_last`` keeps a short final global batch
-    (padded with empty rows, for a single eval pass); otherwise it is dropped.
+    Every process builds the same global batch of ``batch_size`` rows and keeps its slice, so
+    all processes see the same number of batches and the global batch does not depend on the
+    process count. ``pad_last`` keeps a short final global batch (padded with empty rows, for
+    a single eval pass); otherwise it is dropped.
     """
-    global_rows = batch_size * num_processes
-    batches = rows.batch(global_rows, drop_remainder=not pad_last)
+    batches = rows.batch(batch_size, drop_remainder=not pad_last)
     if pad_last:
-        batches = batches.map(_PadRows(global_rows))
+        batches = batches.map(_PadRows(batch_size))
     if num_processes > 1:
-        batches = batches.map(_ProcessRows(batch_size, process_index))
+        batches = batches.map(_ProcessRows(batch_size // num_processes, process_index))
     return batches

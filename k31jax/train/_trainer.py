@@ -17,6 +17,8 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from tqdm import tqdm
 from ..chat import TokenizerBase
 from ..config import ModelConfig
 from ..ckpt import convert, write_synthetic_release
-from ..distributed import shard_model
+from ..distributed import any_process, barrier, host_copy, is_primary, shard_model
 from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
 from ..generate import load_tokenizer, tokenizer_dir
 from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
@@ -141,8 +143,15 @@ def load_run(path: str | os.PathLike, step: int | None = None):
                                                    jax.random.key(0)))
     else:  # the frozen rest + the trained leaves, overlaid
         params, trained, _ = split_for_training(state, run.optim)
-    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params)),
-                                                         trainable=ocp.args.StandardRestore(_abstract(trained))))
+    # onto this process's first device, whatever the topology that saved it (a run trained on
+    # several processes or a mesh restores here whole)
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def target(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), tree)
+
+    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target(params)),
+                                                         trainable=ocp.args.StandardRestore(target(trained))))
     mgr.close()
     merge = apply_lora if run.lora_rank else overlay
     model = nnx.merge(graphdef, merge(restored["params"], restored["trainable"]))
@@ -217,29 +226,40 @@ class EvalResult:
 
 
 def evaluate(model: K31ForCausalLM, tokenizer: TokenizerBase, data: DataConfig, *, max_batches: int | None = None,
-             backends: Backends | None = None, split: str = "heldout", progress: bool = False) -> EvalResult:
+             backends: Backends | None = None, split: str = "heldout", progress: bool = False,
+             mesh=None) -> EvalResult:
     """Held-out loss and bits per byte of `model` over `data`'s `split` (every batch, or the
     first `max_batches`). `progress`: a tqdm bar on stderr ("compiling ..." during the first
-    batch, then batches and evaluated tokens per second)."""
+    batch, then batches and evaluated tokens per second; process 0's only).
+
+    `mesh` (the one `model` is sharded on, under `sharding.activate`): each batch's rows are
+    split over its batch axes; with several processes each keeps only its rows of every
+    batch (`DataConfig.batch_size` counts all of them), and every process returns the same
+    totals. Without a mesh the run must be one
+    process."""
+    if jax.process_count() > 1 and mesh is None:
+        raise ValueError("evaluating on several processes needs a mesh spanning every process's devices (--mesh)")
+    data = dataclasses.replace(data, num_processes=jax.process_count(), process_index=jax.process_index())
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     settings = StepSettings(backends=backends or Backends())
     step = _EVAL_STEP
     sums = dict(nll_sum=0.0, tokens=0.0, correct=0.0, bytes=0.0)
     batches = 0
-    bar = tqdm(total=max_batches, desc=f"eval ({split})", unit="batch", dynamic_ncols=True, disable=not progress)
+    bar = tqdm(total=max_batches, desc=f"eval ({split})", unit="batch", dynamic_ncols=True,
+               disable=not (progress and is_primary()))
     measured_tokens, measured_since = 0.0, 0.0  # tokens/s after the first (compiling) batch
     with bar:
         for batch in make_dataset(data, tokenizer, split):
             if max_batches is not None and batches >= max_batches:
                 break
-            arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+            arrays = _global_batch(mesh, batch)
             if batches == 0:
                 with compiling_note(bar):
-                    out = jax.device_get(step(graphdef, settings, params, arrays))
+                    out = host_copy(step(graphdef, settings, params, arrays))
                 measured_since = time.perf_counter()
             else:
-                out = jax.device_get(step(graphdef, settings, params, arrays))
+                out = host_copy(step(graphdef, settings, params, arrays))
                 measured_tokens += float(out["tokens"])
                 bar.set_postfix({"tok/s": f"{measured_tokens / (time.perf_counter() - measured_since):.4g}"},
                                 refresh=False)
@@ -275,7 +295,10 @@ class Trainer:
             cfg = dataclasses.replace(cfg, model=base_model(cfg.init))
         self.cfg = cfg
         self.out = Path(cfg.out)
+        if jax.process_count() > 1 and not cfg.mesh:
+            raise ValueError("multi-process training needs a --mesh spanning every process's devices")
         self._check_out(resume)
+        barrier("k31jax-train-checked")  # no process checks `out` after process 0 began writing it
         self.out.mkdir(parents=True, exist_ok=True)
         model, self.tokenizer = _initial_model(cfg)
         if cfg.index_topk is not None:
@@ -294,6 +317,8 @@ class Trainer:
         else:
             self.params, self.trainable, self.tx = split_for_training(state, cfg.optim)
         self.opt_state = jax.jit(self.tx.init)(self.trainable)
+        if self.mesh is not None:
+            self.trainable, self.opt_state = _on_mesh(self.mesh, (self.trainable, self.opt_state))
         self.settings = StepSettings(
             backends=Backends(), remat=cfg.remat, vocab_chunk=cfg.vocab_chunk, z_loss=cfg.z_loss,
             balance_loss=cfg.balance_loss, bias_update_rate=cfg.bias_update_rate,
@@ -303,11 +328,11 @@ class Trainer:
         if cfg.distill_indexer:  # the same contract as train_step; the dense warm-up runs selection off
             self._step_graphdef, self.settings = distill_setup(model, cfg)
             self._step_fn = _DISTILL_STEP
-        # multi-host (after `k31jax.distributed.initialize`): each process reads its slice of
-        # every global batch, assembled into one global array on the mesh
+        # multi-host (after `k31jax.distributed.initialize`): each process keeps its slice of
+        # every global batch, assembled into one global array on the mesh. The global batch
+        # does not depend on the process count, and neither does the iterator's saved state,
+        # so a checkpoint resumes on another number of processes.
         data = dataclasses.replace(cfg.data, num_processes=jax.process_count(), process_index=jax.process_index())
-        if jax.process_count() > 1 and self.mesh is None:
-            raise ValueError("multi-process training needs a --mesh spanning every process's devices")
         self.data_iter = iter(make_dataset(data, self.tokenizer, "train"))
         self.holdout: HoldoutSplit = holdout_split(cfg.data)
         self.evaluates = bool(self.holdout.heldout)  # none: train without evaluation
@@ -315,7 +340,7 @@ class Trainer:
         self.manager = _manager(self.out, cfg.keep)
         if resume:
             self._restore()
-        else:
+        elif is_primary():
             cfg.save(self.out / RUN_FILE)
             (self.out / MODEL_CONFIG_FILE).write_text(json.dumps(config_to_json(self.model_config), indent=2))
         self._stop_signal: int | None = None
@@ -362,14 +387,7 @@ class Trainer:
 
     def _next_batch(self) -> dict[str, jax.Array]:
         micro = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]
-        batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
-        if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
-        rows = batch["tokens"].shape[1] * jax.process_count()  # the global batch's rows
-        where = _batch_sharding(self.mesh, rows, batch["tokens"].shape[2])
-        if jax.process_count() == 1:
-            return {k: jax.device_put(v, where) for k, v in batch.items()}
-        return {k: jax.make_array_from_process_local_data(where, v) for k, v in batch.items()}
+        return _global_batch(self.mesh, {k: np.stack([m[k] for m in micro]) for k in micro[0]}, micro_batches=True)
 
     def model(self) -> K31ForCausalLM:
         """The current model (LoRA adapters merged)."""
@@ -385,7 +403,7 @@ class Trainer:
             self.params, self.opt_state, self.trainable, metrics = self._step_fn(
                 self._step_graphdef, self.tx, self.settings, self.params, self.opt_state, self.trainable, batch)
             self.step += 1
-            out.append(jax.device_get(metrics))
+            out.append(host_copy(metrics))
         return out
 
     # ---- the loop
@@ -403,7 +421,8 @@ class Trainer:
 
     def run(self, *, progress: bool = True, export: bool = True) -> TrainResult:
         cfg = self.cfg
-        log = MetricsLog(self.out, resume_step=self.step, progress_total=cfg.steps, progress=progress)
+        log = MetricsLog(self.out, resume_step=self.step, progress_total=cfg.steps, progress=progress,
+                         writes=is_primary())
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM,)}
         schedule = learning_rate_schedule(cfg.optim)
         tokens_per_step = cfg.grad_accum * cfg.data.batch_size * cfg.data.seq_len
@@ -412,8 +431,12 @@ class Trainer:
         try:
             with activate(self.mesh, cfg.rules) if self.mesh is not None else contextlib.nullcontext():
                 t0, since = time.perf_counter(), 0
-                first = self.step
-                while self.step < cfg.steps and self._stop_signal is None:
+                first, interrupted = self.step, False
+                while self.step < cfg.steps:
+                    # a signal reaches one process; every process stops at the same step
+                    interrupted = any_process(self._stop_signal is not None)
+                    if interrupted:
+                        break
                     with log.compiling() if self.step == first else contextlib.nullcontext():
                         (metrics,) = self.train_steps(1)
                     since += 1
@@ -432,7 +455,8 @@ class Trainer:
                         self._held_out(log, progress)
                     if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                         self.save()
-                interrupted = self._stop_signal is not None
+                if not interrupted:  # a signal during the last step stops before evaluation and export
+                    interrupted = any_process(self._stop_signal is not None)
                 if interrupted and self.manager.latest_step() != self.step:
                     self.save()
                 self.manager.wait_until_finished()
@@ -451,7 +475,8 @@ class Trainer:
     def _held_out(self, log: MetricsLog, progress: bool) -> EvalResult:
         """Held-out loss (and, distilling, the indexers' recall at `index_topk`), logged."""
         cfg, model = self.cfg, self.model()
-        ev = evaluate(model, self.tokenizer, cfg.data, max_batches=cfg.eval_batches, progress=progress)
+        ev = evaluate(model, self.tokenizer, cfg.data, max_batches=cfg.eval_batches, progress=progress,
+                      mesh=self.mesh)
         row = {"eval_loss": ev.loss, "eval_bits_per_byte": ev.bits_per_byte}
         if cfg.distill_indexer and self.model_config.index_topk < cfg.data.seq_len:
             rec = indexer_recall(model, self.tokenizer, cfg.data, top_k=self.model_config.index_topk,
@@ -466,16 +491,23 @@ class Trainer:
     def export(self, where: Path) -> Path:
         """The trained weights twice: the release safetensors layout (routed experts packed to
         MXFP4 with the floor rule QAT trained against, when `qat`), and that release converted
-        to a k31jax Orbax checkpoint. Non-expert weights are stored in bf16, as the release."""
+        to a k31jax Orbax checkpoint. Non-expert weights are stored in bf16, as the release.
+        With several processes, each gathers the weights and process 0 writes them."""
         model = self.model()
         if self.cfg.qat and model.config.moe_layers:
             model = quantize_experts(model)
         release_cfg = model.config.replace(dtype="bfloat16", expert_qat=False, expert_activations="bf16")
-        params = nnx.to_pure_dict(nnx.state(with_config(model, release_cfg)))
+        params = host_copy(nnx.to_pure_dict(nnx.state(with_config(model, release_cfg))))
+        if is_primary():
+            self._write_export(where, release_cfg, params)
+        barrier("k31jax-train-exported")
+        return where
+
+    def _write_export(self, where: Path, release_cfg: ModelConfig, params) -> None:
         where.mkdir(parents=True, exist_ok=True)
         tmp = where / f".release.tmp-{os.getpid()}"  # written whole, then renamed into place
         shutil.rmtree(tmp, ignore_errors=True)
-        write_synthetic_release(tmp, release_cfg, params=jax.tree.map(np.asarray, params))
+        write_synthetic_release(tmp, release_cfg, params=params)
         for name in ("tiktoken.model", "tokenizer_config.json"):
             src = Path(self.cfg.tokenizer or "") / name
             if self.cfg.tokenizer and src.exists():
@@ -483,8 +515,19 @@ class Trainer:
         release = where / "release"
         shutil.rmtree(release, ignore_errors=True)
         os.replace(tmp, release)
-        convert(release, where / "orbax", progress=False, overwrite=True)
-        return where
+        if jax.process_count() == 1:
+            convert(release, where / "orbax", progress=False, overwrite=True)
+            return
+        # Orbax makes every process of a `jax.distributed` job take part in a save (it
+        # broadcasts from process 0 whatever the save's own process set), and the others are
+        # not converting: process 0 converts in a process of its own.
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from k31jax.ckpt import convert; "
+             "convert(sys.argv[1], sys.argv[2], progress=False, overwrite=True)", str(release), str(where / "orbax")],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise OSError(f"converting the export {release} to {where / 'orbax'} failed: {last}")
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, export: bool = True) -> TrainResult:
@@ -493,10 +536,35 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, expo
         return trainer.run(progress=progress, export=export)
 
 
-def _batch_sharding(mesh, rows: int, seq_len: int, rules=None) -> NamedSharding:
-    """Where a `[grad_accum, rows, seq_len]` batch lives: rows split over the batch axes where
-    they divide (`rules`, default the active ones), the micro-batches and tokens whole."""
-    return NamedSharding(mesh, P(None, *logical_to_spec(("batch", "seq"), (rows, seq_len), dict(mesh.shape), rules)))
+def _on_mesh(mesh, tree):
+    """`tree` with every leaf that lives off `mesh` (the optimizer's step counter, made on the
+    default device) replicated over it: a step under the mesh takes arguments on its devices
+    only. The value is the same on every process, so each places its own copy."""
+    devices = set(mesh.devices.flat)
+    everywhere = NamedSharding(mesh, P())
+    return jax.tree.map(lambda a: a if a.sharding.device_set == devices else jax.device_put(np.asarray(a), everywhere),
+                        tree)
+
+
+def _batch_sharding(mesh, rows: int, seq_len: int, rules=None, *, micro_batches: bool = True) -> NamedSharding:
+    """Where a `[grad_accum, rows, seq_len]` batch (`micro_batches`, else `[rows, seq_len]`)
+    lives: rows split over the batch axes where they divide (`rules`, default the active
+    ones), the micro-batches and tokens whole."""
+    spec = logical_to_spec(("batch", "seq"), (rows, seq_len), dict(mesh.shape), rules)
+    return NamedSharding(mesh, P(None, *spec) if micro_batches else P(*spec))
+
+
+def _global_batch(mesh, batch: dict[str, np.ndarray], *, micro_batches: bool = False) -> dict[str, jax.Array]:
+    """This process's rows of a batch (`[grad_accum,] rows, seq_len`) as the global batch on
+    `mesh` (without a mesh: on the default device)."""
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    shape = batch["tokens"].shape
+    rows = shape[-2] * jax.process_count()  # the global batch's rows
+    where = _batch_sharding(mesh, rows, shape[-1], micro_batches=micro_batches)
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, where) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(where, v) for k, v in batch.items()}
 
 
 def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: OptimConfig | None = None,

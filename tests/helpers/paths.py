@@ -10,3 +10,14 @@ GOLDEN_DIR = TESTS_DIR / "golden"
 MULTIPROCESS_DIR = TESTS_DIR / "multiprocess"
 # Data shared by the workspace next to the checkout (the K3 release golden, the spec's inventory).
 SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+
+
+def stdlib_corpus(folder: Path, names: tuple[str, ...]) -> Path:
+    """`folder` holding copies of the Python standard library sources `names` (real text every
+    machine has)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in names:
+        (folder / name).write_text((stdlib / name).read_text())
+    return folder

@@ -154,7 +154,7 @@ def test_processes_take_slices_of_the_same_global_batch(tmp_path):
     common = dict(paths=(str(folder),), seq_len=24, seed=1, holdout_fraction=0.3, packing_bins=4)
     for split, limit in (("train", 4), ("heldout", None)):
         whole = collect(make_dataset(DataConfig(batch_size=4, **common), BYTES, split), limit)
-        parts = [collect(make_dataset(DataConfig(batch_size=2, num_processes=2, process_index=p,
+        parts = [collect(make_dataset(DataConfig(batch_size=4, num_processes=2, process_index=p,
                                                  **common), BYTES, split), limit) for p in (0, 1)]
         assert len(parts[0]) == len(parts[1]) == len(whole) > 0
         for w, p0, p1 in zip(whole, *parts):
@@ -356,6 +356,7 @@ def test_bad_paths_configs_and_splits(tmp_path):
         load_documents(tmp_path / "empty")
     for bad, field in [(dict(seq_len=1), "seq_len"), (dict(holdout_fraction=1.0), "holdout_fraction"),
                        (dict(num_processes=2, process_index=2), "process_index"),
+                       (dict(num_processes=2), "batch_size 1 .* not a multiple of num_processes 2"),
                        (dict(num_epochs=0), "num_epochs"), (dict(seed=-1), "seed")]:
         with pytest.raises(ValueError, match=field):
             DataConfig(**{"paths": ("x",), "seq_len": 8, "batch_size": 1, **bad})

@@ -13,8 +13,6 @@ sparse stage training everything; a run from a release with a BPE records that t
 
 import dataclasses
 import json
-import sysconfig
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ import pytest
 from flax import nnx
 
 from helpers.model import tiny_config
+from helpers.paths import stdlib_corpus
 from k31jax.chat import KimiTokenizer, train_bpe, write_tiktoken_model
 from k31jax.cli import build_parser, main
 from k31jax.cli._train import _config_from_args, _defaults
@@ -170,11 +169,8 @@ def test_per_layer_sums_match_the_reference(model):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Real text: a few of the Python standard library's own sources (two of them held out)."""
-    folder = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("bisect.py", "heapq.py", "colorsys.py", "keyword.py", "glob.py", "fnmatch.py"):
-        (folder / name).write_text((stdlib / name).read_text())
-    return folder
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"),
+                         ("bisect.py", "heapq.py", "colorsys.py", "keyword.py", "glob.py", "fnmatch.py"))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.paths import stdlib_corpus
 from helpers.processes import cli_env
 from k31jax.train import DataConfig, OptimConfig, TrainConfig, Trainer
 from k31jax.train._steps import overlay
@@ -24,16 +25,9 @@ K31JAX = Path(sys.executable).parent / "k31jax"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Real text: a few of the Python standard library's own sources."""
-    import sysconfig
-
-    folder = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("bisect.py", "heapq.py", "textwrap.py", "string/__init__.py", "colorsys.py", "keyword.py",
-                 "shlex.py", "fnmatch.py", "glob.py", "copy.py"):
-        src = stdlib / name
-        if src.exists():
-            (folder / name.replace("/", "_")).write_text(src.read_text())
-    return folder
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"),
+                         ("bisect.py", "heapq.py", "textwrap.py", "colorsys.py", "keyword.py", "shlex.py", "fnmatch.py",
+                          "glob.py", "copy.py"))
 
 
 def _train_cfg(out, corpus, **kw):
