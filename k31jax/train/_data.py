@@ -272,8 +272,8 @@ class DataConfig:
     ``num_epochs=None`` repeats the training split forever. ``batch_size`` counts the rows of
     a whole batch, all processes together: with ``num_processes`` / ``process_index`` each
     process gets its ``batch_size / num_processes`` rows of every batch, so a run's batches (and
-    its saved position in them) do not depend on how many processes read them. ``packing_bins``: rows the first-fit packer fills at
-    once (more bins, less padding). ``doc_separator``: split text files into documents.
+    its saved position in them) do not depend on how many processes read them.
+    ``packing_bins``: rows the first-fit packer fills at once (more bins, less padding). ``doc_separator``: split text files into documents.
     ``holdout_by`` / ``chunk_chars``: how the held-out split is made (the module docstring).
     """
 

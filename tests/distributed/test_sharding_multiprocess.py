@@ -1,7 +1,6 @@
 """A real 2-process run on localhost (jax.distributed, CPU gloo collectives, 2 CPU devices
 each): the sharded `tiny` forward equals the single-process one."""
 
-import socket
 import subprocess
 import sys
 
@@ -9,21 +8,15 @@ import numpy as np
 from flax import nnx
 
 from helpers.paths import MULTIPROCESS_DIR
-from helpers.processes import subprocess_env
+from helpers.processes import free_port, subprocess_env
 from k31jax import K31ForCausalLM, ModelConfig
 
 WORKER = MULTIPROCESS_DIR / "sharded_forward.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_equal_single_process(tmp_path):
     out = tmp_path / "logits.npz"
-    port = str(_free_port())
+    port = str(free_port())
     env = subprocess_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", port, "expert=2,tensor=2", str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from helpers.processes import cli_env
+from helpers.processes import cli_env, free_port
 from k31jax.chat import ByteTokenizer, apply_chat_template
 
 openai = pytest.importorskip("openai")
@@ -31,16 +30,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(cache: str, log, *extra: str):
     """A server process on a free port, its compile cache in `cache`; stderr to the file `log`
     (an unread pipe fills up with compiler warnings and blocks the server)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "k31jax.cli", "serve", *SERVE_ARGS, "--port", str(port), *extra]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,

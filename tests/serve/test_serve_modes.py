@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.processes import cli_env, subprocess_env
+from helpers.processes import cli_env, free_port, subprocess_env
 from k31jax.cli import main
 from k31jax.generate import Engine, Request, load_model
 
@@ -25,12 +24,6 @@ MODEL, MAX_LEN, NEW = "k31jax-tiny", 256, 10
 CHUNK = 2  # prefill widths 2 and 1: two prefill programs to compile per server, the fewest that chunk
 PROMPT = [5, 77, 201, 13, 90, 44, 300, 8, 61, 150, 9, 222]  # token ids (raw /v1/completions prompt)
 LONG = MAX_LEN - 16  # the longest greedy run the engine's prompt bucket (16) leaves room for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -110,7 +103,7 @@ def test_cli_rejects_bad_sizes_and_processes_without_a_mesh(capsys):
 
 
 def test_mesh_on_8_cpu_devices_matches_unsharded_and_a_full_queue_answers_429(unsharded, tmp_path):
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _serve(tmp_path / "serve.log", "--port", str(port), "--num-cpu-devices", "8", "--mesh", "expert=4,tensor=2",
                   "--max-batch", "1", "--max-queue", "1")
@@ -146,7 +139,7 @@ def test_mesh_on_8_cpu_devices_matches_unsharded_and_a_full_queue_answers_429(un
 
 @pytest.mark.slow  # two sharded warm-ups (~1 min of CPU each); the follower test in test_serve_scheduler is the fast check
 def test_two_processes_serve_one_sharded_batch(unsharded, tmp_path):
-    port, coordinator = _free_port(), _free_port()
+    port, coordinator = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
     common = ("--port", str(port), "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
               "--num-cpu-devices", "2", "--cpu-collectives", "gloo", "--mesh", "expert=2,tensor=2",

@@ -6,7 +6,6 @@ killed process ending the other with one line."""
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from flax import nnx
 
 from helpers.paths import stdlib_corpus
-from helpers.processes import cli_env
+from helpers.processes import cli_env, free_port
 from k31jax.train import load_run
 
 K31JAX = Path(sys.executable).parent / "k31jax"
@@ -39,12 +38,6 @@ ATOL = 1e-3 * LR
 def corpus(tmp_path_factory):
     return stdlib_corpus(tmp_path_factory.mktemp("corpus"),
                          ("bisect.py", "heapq.py", "textwrap.py", "colorsys.py", "shlex.py", "fnmatch.py"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def _one_process(*args):
 
 
 def _two_processes(*args) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen([str(K31JAX), *map(str, args), "--coordinator", f"127.0.0.1:{port}",
                               "--num-processes", "2", "--process-id", str(i), "--num-cpu-devices", "4",
                               "--cpu-collectives", "gloo"],
