@@ -8,11 +8,13 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 
-from ..distributed import is_primary, peer_failure, shard_model
+from ..distributed import is_primary, peer_failure, shard_model, watch_peers
 from ..sharding import activate
 from ..nn import REMAT_POLICIES, quantize_experts
 from ..generate import DEFAULT_MODEL
@@ -32,17 +34,40 @@ def _fail(cmd: str, message: str, code: int = 1) -> int:
     return code
 
 
-def _lost_peer(cmd: str, error: BaseException) -> None:
+_stopping = threading.Lock()
+
+
+def _stop_for_lost_peer(cmd: str, line: str) -> NoReturn:
     """A peer process died: say so in one line and leave at once. Returning would run
     `jax.distributed`'s shutdown, which waits for the dead peer and then aborts with a
-    multi-line fatal log; the last checkpoint stays the place to resume from."""
+    multi-line fatal log; the last checkpoint stays the place to resume from. The lock lets
+    only the first of the two threads that may notice (the watch, a failed collective) speak."""
+    with _stopping:
+        print(f"k31jax {cmd}: error: {line}; this process stops too (resume from the last checkpoint with --resume)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _lost_peer(cmd: str, error: BaseException, watch) -> None:
+    """Stop with one line if `error` is a cross-process collective that lost its peer; else return."""
     line = peer_failure(error)
     if line is None:
         return
-    print(f"k31jax {cmd}: error: {line}; this process stops too (resume from the last checkpoint with --resume)",
-          file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    if watch is not None:  # the watch names the dead process, where the collective names an address
+        watch.settle(timeout=5)
+    _stop_for_lost_peer(cmd, line)
+
+
+@contextlib.contextmanager
+def _peers_watched(cmd: str):
+    """`watch_peers` stopping this process with one line when another dies (a no-op alone)."""
+    with watch_peers(lambda line: _stop_for_lost_peer(cmd, line)) as watch:
+        try:
+            yield watch
+        except jax.errors.JaxRuntimeError as e:
+            _lost_peer(cmd, e, watch)
+            raise
 
 
 def _config_from_args(args) -> TrainConfig:
@@ -82,33 +107,37 @@ def _defaults(args: argparse.Namespace) -> None:
 def _cmd_train(args) -> int:
     _defaults(args)
     enable_compile_cache()
-    try:
-        # several processes: the flags, or K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
+    try:  # several processes: the flags, or K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
         initialize_from_args(args)
-        if args.resume:
-            if not (Path(args.out) / RUN_FILE).exists():
-                return _fail("train", f"--resume: {args.out} holds no training run ({RUN_FILE} missing)")
-            cfg = _resumed_config(args)
-        else:
-            missing = [flag for flag, value in (("--data", args.data), ("--steps", args.steps)) if not value]
-            if missing:
-                return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
-            cfg = _config_from_args(args)
-        with Trainer(cfg, resume=args.resume) as trainer:
-            if is_primary():
-                print(f"[k31jax] {trainer.holdout.line(trainer.cfg.data.holdout_fraction)}", file=sys.stderr)
-            try:
-                result = trainer.run(progress=not args.no_progress, export=not args.no_export)
-            except jax.errors.JaxRuntimeError as e:  # before closing the checkpoints waits for the dead peer
-                _lost_peer("train", e)
-                raise
-    except jax.errors.JaxRuntimeError as e:
-        _lost_peer("train", e)
-        raise
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
-        if args.debug:
-            raise
+    except ValueError as e:
         return _fail("train", str(e))
+    with _peers_watched("train") as watch:
+        try:
+            return _train(args, watch)
+        except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+            if args.debug:
+                raise
+            return _fail("train", str(e))
+
+
+def _train(args, watch) -> int:
+    if args.resume:
+        if not (Path(args.out) / RUN_FILE).exists():
+            return _fail("train", f"--resume: {args.out} holds no training run ({RUN_FILE} missing)")
+        cfg = _resumed_config(args)
+    else:
+        missing = [flag for flag, value in (("--data", args.data), ("--steps", args.steps)) if not value]
+        if missing:
+            return _fail("train", f"{' and '.join(missing)} required (or --resume an existing --out)", 2)
+        cfg = _config_from_args(args)
+    with Trainer(cfg, resume=args.resume) as trainer:
+        if is_primary():
+            print(f"[k31jax] {trainer.holdout.line(trainer.cfg.data.holdout_fraction)}", file=sys.stderr)
+        try:
+            result = trainer.run(progress=not args.no_progress, export=not args.no_export)
+        except jax.errors.JaxRuntimeError as e:  # before closing the checkpoints waits for the dead peer
+            _lost_peer("train", e, watch)
+            raise
     if not is_primary():  # process 0 reports the run
         return SIGTERM_EXIT if result.interrupted else 0
     if result.interrupted:
@@ -126,17 +155,13 @@ def _cmd_train(args) -> int:
 
 def _cmd_eval(args) -> int:
     enable_compile_cache()
-    try:
-        initialize_from_args(args)
-        mesh = mesh_from_args(args)
-        if jax.process_count() > 1 and mesh is None:
-            return _fail("eval", f"--num-processes {jax.process_count()}: evaluating on several processes needs "
-                                 "--mesh over every process's devices")
-        with activate(mesh, args.rules) if mesh is not None else contextlib.nullcontext():
-            return _evaluate(args, mesh)
-    except jax.errors.JaxRuntimeError as e:
-        _lost_peer("eval", e)
-        raise
+    initialize_from_args(args)
+    mesh = mesh_from_args(args)
+    if jax.process_count() > 1 and mesh is None:
+        return _fail("eval", f"--num-processes {jax.process_count()}: evaluating on several processes needs "
+                             "--mesh over every process's devices")
+    with _peers_watched("eval"), activate(mesh, args.rules) if mesh is not None else contextlib.nullcontext():
+        return _evaluate(args, mesh)
 
 
 def _evaluate(args, mesh) -> int:

@@ -47,7 +47,8 @@ def peer_failure(error: BaseException) -> str | None:
     A process killed mid-run closes its connections: the survivors' next collective fails at
     once with the peer's address (gloo: "Connection closed by peer"), long before the
     coordination service's heartbeat timeout would stop them with a fatal log. With two
-    processes the lost one is the other; with more, the address is what the error names."""
+    processes the lost one is the other; with more, the address is what the error names
+    (`watch_peers` names the process, and notices outside collectives too)."""
     n = jax.process_count()
     text = str(error)
     if n == 1 or not isinstance(error, jax.errors.JaxRuntimeError):
