@@ -77,8 +77,9 @@ def topology_name(topology: str) -> str:
     return f"{gen}:{'x'.join(map(str, sorted(dims)))}"
 
 
-def tpu_devices(topology: str) -> list:
-    """Compile-only devices of a TPU slice (no TPU needed)."""
+def tpu_devices(topology: str, slices: int = 1) -> list:
+    """Compile-only devices of a TPU slice, or of `slices` such slices joined by the data-center
+    network (multi-slice; each device's `slice_index` says which), with no TPU needed."""
     if not libtpu_available():
         raise CompileError("the TPU compiler is not installed: pip install 'k31jax[tpu]' (brings libtpu)")
     # libtpu takes a machine-wide lock meant for processes driving real chips; compiling needs none.
@@ -88,19 +89,28 @@ def tpu_devices(topology: str) -> list:
     name = topology_name(topology)
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
-                                            chips_per_host_bounds=(2, 2, 1), num_slices=1)
+                                            chips_per_host_bounds=(2, 2, 1), num_slices=slices)
     except Exception as exc:  # libtpu's message names the bad part
         raise CompileError(f"--topology {name!r}: {str(exc).splitlines()[0]}") from None
     return list(desc.devices)
 
 
 def slice_mesh(devices, mesh: str | dict) -> Mesh:
-    """A Mesh over `devices` with the axes of `mesh` ("expert=8,tensor=8"; the rest data=...)."""
+    """A Mesh over `devices` with the axes of `mesh` ("expert=8,tensor=8"; the rest data=...).
+    Devices of several slices (`tpu_devices(..., slices=n)`) split the `data` axis: its outer
+    factor of n runs across the slices, so only data parallelism (one gradient reduction per
+    step) crosses the slower network between them, and every other axis stays in a slice."""
     shape = parse_mesh(mesh)
     names = tuple(shape)
     if math.prod(shape.values()) != len(devices):
-        raise CompileError(f"--mesh {mesh}: {math.prod(shape.values())} devices, but the slice has {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(tuple(shape.values())), names)
+        raise CompileError(f"--mesh {mesh}: {math.prod(shape.values())} devices, but the slices have {len(devices)}")
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if shape.get("data", 1) % slices:
+        raise CompileError(f"--mesh {mesh}: data={shape.get('data', 1)} is not a multiple of the {slices} slices "
+                           "(data parallelism runs across slices; every other axis stays inside one)")
+    # slice-major order: the data axis (outermost) steps through the slices first
+    ordered = sorted(devices, key=lambda d: getattr(d, "slice_index", 0))
+    return Mesh(np.asarray(ordered).reshape(tuple(shape.values())), names)
 
 
 def _placed(tree, shardings):
@@ -159,6 +169,7 @@ class CompileReport:
     # train: how many donated state leaves the step returns in other formats than it takes them
     # in (each would be re-laid out before the next step; `train.StepProgram`), or None
     state_formats_changed: int | None = None
+    slices: int = 1                # TPU slices the devices span (`tpu_devices`)
 
     @property
     def total(self) -> int:
@@ -190,7 +201,8 @@ class CompileReport:
                 "hbm_per_device": self.hbm_per_device, "fits": self.fits, "planner": self.planner,
                 "hlo": self.hlo.as_dict(), "xla_cost": self.xla_cost, "floor_bytes": self.floor_bytes,
                 "floor_note": self.floor_note, "peak": [[b, name] for b, name in self.peak],
-                "versions": self.versions, "state_formats_changed": self.state_formats_changed}
+                "versions": self.versions, "state_formats_changed": self.state_formats_changed,
+                "slices": self.slices}
 
     def state_formats_note(self) -> str | None:
         """train: whether the step returns its donated state in the formats it takes it in."""
@@ -202,7 +214,8 @@ class CompileReport:
 
     def table(self) -> str:
         m, p = self.memory, self.planner
-        lines = [f"k31jax compile: {self.step} of {self.config} on {self.topology} ({self.devices} x "
+        across = f" x {self.slices} slices" if self.slices > 1 else ""
+        lines = [f"k31jax compile: {self.step} of {self.config} on {self.topology}{across} ({self.devices} x "
                  f"{self.device_kind}), mesh {','.join(f'{k}={v}' for k, v in self.mesh.items())} "
                  f"(rules {self.rules}), batch {self.batch}, context {self.context:,}, {self.tokens:,} tokens per call",
                  f"jax {self.versions['jax']}, libtpu {self.versions['libtpu']}: lower {self.lower_seconds:.1f} s, "
@@ -229,6 +242,8 @@ class CompileReport:
                          f"{sorted(set(c for n, t, c in h.loops if t is None))})")
         lines.append("collectives per call: " + (", ".join(
             f"{k} {c:,} ({b / GB:.3f} GB)" for k, (c, b) in h.collectives.items()) or "none"))
+        if self.slices > 1:
+            lines += self._cross_slice_lines()
         lines.append(f"largest float buffer: {h.largest_float[1]} {h.largest_float[0] / GB:.3f} GB "
                      f"({h.largest_float[2] or 'no op_name'})")
         if self.peak:
@@ -241,6 +256,19 @@ class CompileReport:
             lines += ["", "HBM traffic per call by the op that moves it (trip counts):"]
             lines += [f"  {b / GB:>9.2f} GB  {name[-100:]}" for b, name in h.traffic]
         return "\n".join(lines)
+
+
+    def _cross_slice_lines(self, top: int = 8) -> list[str]:
+        h, planned = self.hlo, self.planner.get("cross_slice")
+        lines = ["across slices (data-center network), per call and device: " + (", ".join(
+            f"{k} {c:,} ({b / GB:.4f} GB)" for k, (c, b) in h.cross_slice.items()) or "nothing")]
+        if planned is not None:
+            lines[-1] += f"; planner: the trained gradients' shard, {planned / GB:.4f} GB"
+        lines += [f"  {b / GB:>9.4f} GB  {shape:<24} {what}" + (f" x {n}" if n > 1 else "")
+                  for b, shape, what, n in h.cross_slice_sends[:top]]
+        if len(h.cross_slice_sends) > top:
+            lines.append(f"  ... and {len(h.cross_slice_sends) - top} smaller")
+        return lines
 
 
 def _versions() -> dict:
@@ -296,17 +324,20 @@ class TrainSettings:
 def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, *, step: str = "decode",
                     batch: int = 8, context: int = 4096, chunk: int = 2048, rules=None,
                     backends: Backends | None = None, dump: str | Path | None = None,
-                    train: TrainSettings | None = None, draft: int = 8) -> CompileReport:
+                    train: TrainSettings | None = None, draft: int = 8, slices: int = 1) -> CompileReport:
     """Compile the engine's `step` program ("decode": one token per row with the donated cache;
     "verify": the speculative step over each row's last token and `draft` drafted ones;
     "prefill": one `chunk`-token call per row), or the trainer's step ("train", `train`
     settings, `batch` rows per micro-batch), of `config` for `topology` on `mesh`, from abstract
-    shapes, and report (`CompileReport.table()`, `.as_dict()`); `dump` writes the optimized HLO."""
+    shapes, and report (`CompileReport.table()`, `.as_dict()`); `dump` writes the optimized HLO.
+    With `slices` > 1 the program is compiled for that many such slices joined by the data-center
+    network, `mesh` spanning all their devices with its `data` axis across the slices
+    (`slice_mesh`), and the report lists what crosses between slices."""
     if step not in STEPS:
         raise CompileError(f"--step {step!r}: expected one of {', '.join(STEPS)}")
     name = config if isinstance(config, str) else "model"
     cfg = ModelConfig.preset(config) if isinstance(config, str) else config
-    devices = tpu_devices(topology)
+    devices = tpu_devices(topology, slices)
     m = slice_mesh(devices, mesh)
     shape = dict(m.shape)
     rules = get_rules(rules) or rules_for_mesh(shape)
@@ -316,7 +347,7 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     backends = backends or Backends(kernels="xla", ep="ragged")
     if step == "train":
         return _compile_train(cfg, name, topology, devices, m, shape, rules, backends, batch, train or TrainSettings(),
-                              dump)
+                              dump, slices)
     graphdef, state = abstract_state(cfg, m, rules)
     with target_tpu():  # the layout the engine runs on a TPU: the kernel's when it runs the Pallas TPU one
         state = out_major_projections(expert_words(state, kernel=tpu_kernel_layout(backends)))
@@ -363,7 +394,7 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     kind = devices[0].device_kind
     return CompileReport(step, name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, context, tokens, lower_s, compile_s, memory, HBM_PER_DEVICE.get(kind, 0), planner,
-                         hlo, xla, floor, note, peak, _versions())
+                         hlo, xla, floor, note, peak, _versions(), slices=slices)
 
 
 def _compile(jitted, args, mesh, rules, what: str, dump: Path | None, compile_lowered=None):
@@ -416,7 +447,8 @@ def _peak_line(peak: list[tuple[int, str]], n: int = 5) -> str:
     return ", ".join(f"{name[-70:]} {b / GB:.2f} GB" for b, name in peak[:n])
 
 
-def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, batch, t: TrainSettings, dump):
+def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, batch, t: TrainSettings, dump,
+                   slices: int):
     optim = OptimConfig(optimizer=t.optimizer, trainable=t.trainable)
     jitted, args = abstract_train_step(cfg, mesh, rules, optim=optim, qat=t.qat, master_dtype=t.master_dtype,
                                        remat=t.remat, lora_rank=t.lora_rank, micro_batch=batch,
@@ -446,12 +478,15 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     if not t.lora_rank:  # the planner models the full-parameter QAT step
         plan = plan_training(cfg, shape, trainable=t.trainable, optimizer=t.optimizer, master_dtype=t.master_dtype,
                              remat=t.remat, seq_len=t.seq_len, micro_batch=batch, grad_accum=t.grad_accum,
-                             rules=rules)
+                             rules=rules, slices=slices)
         planner.update(total=plan.total, activations=plan.total - donated)
+        if slices > 1:
+            planner["cross_slice"] = plan.cross_slice_bytes
     kind = devices[0].device_kind
     return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,
-                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions(), changed)
+                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions(), changed,
+                         slices)
 
 
 def _device_bytes(a: jax.ShapeDtypeStruct) -> int:

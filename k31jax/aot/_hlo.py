@@ -14,6 +14,10 @@ loop's condition, `i < N`), and counts every instruction that is not inside a fu
   fusions too;
 - collectives: all-gather, all-reduce, reduce-scatter, all-to-all, ragged-all-to-all and
   collective-permute (async starts counted once), with the bytes of their results;
+- cross-slice transfers: in a program for several slices the TPU compiler keeps the
+  collectives above inside one slice and carries the part between slices (over the
+  data-center network) as host-transfer sends marked `_xla_megascale_transfer_type`; each
+  is counted by that type with the bytes it sends;
 - buffers: the results instructions make, except in-place updates (a dynamic-update-slice
   writes into its operand's buffer, e.g. the donated cache);
 - traffic by source: the bytes summed per `op_name` (the JAX operation an instruction came
@@ -45,6 +49,8 @@ _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
                    "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
                    "opt-barrier", "custom-call-done", "call-done"})  # an async call's work is its call-update's
 _SLICE_USES = frozenset({"dynamic-slice", "slice", "gather"})
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+?)(?:_\d+)?"')
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
@@ -352,6 +358,9 @@ class HloReport:
     loops: list[tuple[str, int | None, int]]        # (op_name, trip count or None, times counted)
     dynamic_loops: list[str]
     traffic: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (bytes per call, op_name)
+    cross_slice: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (count, bytes)
+    # each cross-slice send: (bytes per call, shape, the collective it carries, times per call)
+    cross_slice_sends: list[tuple[int, str, str, int]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"hbm_bytes": self.hbm_bytes, "flops": self.flops,
@@ -362,7 +371,10 @@ class HloReport:
                 "largest_float_buffer": {"bytes": self.largest_float[0], "shape": self.largest_float[1],
                                          "op_name": self.largest_float[2]},
                 "loops": [{"op_name": n, "trip_count": t, "counted": c} for n, t, c in self.loops],
-                "dynamic_loops": self.dynamic_loops}
+                "dynamic_loops": self.dynamic_loops,
+                "cross_slice": {k: {"count": c, "bytes": b} for k, (c, b) in self.cross_slice.items()},
+                "cross_slice_sends": [{"bytes": b, "shape": s, "collective": c, "times": t}
+                                      for b, s, c, t in self.cross_slice_sends]}
 
 
 def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int = 10) -> HloReport:
@@ -412,6 +424,8 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
     visit(entry, 1)
     hbm = flops = 0
     coll: dict[str, list[float]] = defaultdict(lambda: [0, 0])
+    cross: dict[str, list[float]] = defaultdict(lambda: [0, 0])
+    sends = []
     traffic: dict[str, int] = defaultdict(int)
     buffers = []
     for comp, times in mult.items():
@@ -431,6 +445,14 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
                 # an async start's tuple repeats its operands first, then its results (and context)
                 out = ins.shape[len(ins.operands):] if ins.opcode.endswith("-start") else ins.shape
                 coll[kind][1] += times * sum(a.bytes for a in out[:1] or out)
+            transfer = _MEGASCALE.search(ins.attrs) if ins.opcode in ("send", "send-start") else None
+            if transfer:  # the shape is (data, context, token)
+                kind = transfer.group(1).lower().replace("_", "-")
+                cross[kind][0] += times
+                cross[kind][1] += times * ins.shape[0].bytes
+                carried = _RENDEZVOUS.search(ins.attrs)
+                sends.append((int(times * ins.shape[0].bytes), str(ins.shape[0]),
+                              f"{kind} ({carried.group(1) if carried else ins.name})", int(times)))
             if ins.opcode in _FREE:
                 continue
             moved = int(times * _instruction_bytes(ins))
@@ -446,7 +468,9 @@ def analyse(text: str, dynamic_trips: dict[str, float] | None = None, top: int =
     largest_float = (floats[0][0], floats[0][1], floats[0][3]) if floats else (0, "", "")
     return HloReport(hbm, flops, {k: (int(c), int(b)) for k, (c, b) in sorted(coll.items())},
                      [b[:4] for b in buffers[:top]], largest_float, loops, dynamic,
-                     sorted(((b, name) for name, b in traffic.items()), reverse=True)[:top])
+                     sorted(((b, name) for name, b in traffic.items()), reverse=True)[:top],
+                     {k: (int(c), int(b)) for k, (c, b) in sorted(cross.items())},
+                     sorted(sends, key=lambda r: (-r[0], r[2])))
 
 
 _PEAK_HEAD = re.compile(r"Live ranges at \d+ \(peak\):")

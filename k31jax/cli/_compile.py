@@ -23,6 +23,11 @@ def register(sub) -> None:
                    help="libtpu topology (v5p:4x4x4, tpu7x:2x2x2, v5e:4x4, v6e:4x4, v4:2x2x2) or a named "
                         "slice (v5p-128 = 64 chips, tpu7x-64, v5e-16)")
     p.add_argument("--mesh", default="expert=8,tensor=8", help="mesh axes over the slice's devices")
+    p.add_argument("--slices", type=int, default=1,
+                   help="compile for this many slices of --topology joined by the data-center network "
+                        "(multi-slice): --mesh spans all their devices, its data axis across the slices "
+                        "(e.g. --slices 2 --mesh data=2,expert=8,tensor=8), and the report lists what "
+                        "crosses between them")
     p.add_argument("--rules", default=None, help="rule table (default: the one for the mesh)")
     p.add_argument("--step", default="decode", choices=["decode", "verify", "prefill", "train"],
                    help="the engine's decode step (donated cache), its speculative verify step (--draft "
@@ -52,7 +57,7 @@ def register(sub) -> None:
 def _check(args) -> None:
     if args.config not in preset_names():
         raise UsageError(f"--config {args.config!r}: expected one of {', '.join(preset_names())}")
-    for flag in ("batch", "context", "chunk", "seq_len", "grad_accum", "draft"):
+    for flag in ("batch", "context", "chunk", "seq_len", "grad_accum", "draft", "slices"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
     check_int("--lora-rank", args.lora_rank, low=0)
 
@@ -73,7 +78,7 @@ def _run(args) -> int:
         report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,
                                      context=args.context, chunk=args.chunk, rules=args.rules, dump=args.dump,
                                      train=train, backends=Backends(kernels=args.kernels, ep="ragged"),
-                                     draft=args.draft)
+                                     draft=args.draft, slices=args.slices)
     except aot.CompileError as exc:
         raise UsageError(str(exc)) from None
     print(report.table())

@@ -12,7 +12,7 @@ from ..distributed import (DEVICES, GB, MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SET
 from ..generate import DEFAULT_MODEL, embedded_model_dir
 from ..nn import REMAT_POLICIES
 from ..nn import count_params
-from ..sharding import RULE_TABLES, mesh_str
+from ..sharding import RULE_TABLES, mesh_str, parse_mesh
 from ..vision import count_vision_params
 from ._common import UsageError, check_float, check_int, check_mesh_spec, install
 
@@ -40,9 +40,14 @@ def _check_info_args(args) -> None:
 def _check_plan_args(args) -> None:
     _check_config_arg(args.config)
     check_mesh_spec("--mesh", args.mesh)
-    for flag in ("batch", "context", "chunk", "seq_len", "micro_batch", "grad_accum", "vocab_chunk"):
+    for flag in ("batch", "context", "chunk", "seq_len", "micro_batch", "grad_accum", "vocab_chunk", "slices"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
     check_int("--prefill-batch", args.prefill_batch, low=1, optional=True)
+    if args.slices > 1 and not args.train:
+        raise UsageError("--slices applies with --train (inference replicas on several slices exchange nothing)")
+    if args.train and parse_mesh(args.mesh)["data"] % args.slices:
+        raise UsageError(f"--slices {args.slices}: the --mesh data axis ({parse_mesh(args.mesh)['data']}) must be a "
+                         "multiple of the slices (data parallelism runs across slices)")
     check_float("--usable", args.usable, low=0, low_open=True, high=1)
     if args.train and args.expert_weights:
         raise UsageError("--expert-weights does not apply with --train (QAT trains float master experts)")
@@ -81,7 +86,8 @@ def _cmd_plan_train(args, cfg: ModelConfig, name: str) -> int:
     options = dict(trainable=args.trainable, optimizer=args.optimizer, master_dtype=args.master_dtype,
                    remat=args.remat, seq_len=args.seq_len, micro_batch=args.micro_batch,
                    grad_accum=args.grad_accum, vocab_chunk=args.vocab_chunk)
-    p = dataclasses.replace(plan_training(cfg, args.mesh, rules=args.rules, **options), config_name=name)
+    p = dataclasses.replace(plan_training(cfg, args.mesh, rules=args.rules, slices=args.slices, **options),
+                            config_name=name)
     print(p.table(args.device, args.usable))
     label, cap = DEVICES[args.device]
     verdict = "fits" if p.fits(args.device, args.usable) else "does NOT fit"
@@ -151,4 +157,7 @@ def register_plan(sub) -> None:
     t.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--vocab-chunk", type=int, default=4096, help="the streamed loss's vocabulary chunk")
+    t.add_argument("--slices", type=int, default=1,
+                   help="TPU slices the mesh spans, its data axis across them: adds the bytes each device "
+                        "sends between slices per step")
     install(p, "plan", _cmd_plan, validate=_check_plan_args)

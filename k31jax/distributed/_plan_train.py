@@ -332,6 +332,16 @@ class TrainingMemoryPlan:
     state: dict[str, int]
     activations: dict[str, float]
     notes: tuple[str, ...] = ()
+    slices: int = 1  # TPU slices joined by the data-center network; the data axis runs across them
+
+    @property
+    def cross_slice_bytes(self) -> int:
+        """What each device sends across slices per step: its shard of the trained gradients,
+        summed over the slices by one all-reduce (every other axis stays inside a slice, and the
+        parameters are replicated over the data axis, so nothing else is exchanged). The
+        deviceless TPU compiler's cross-slice transfers of a training step carry exactly these
+        bytes plus a few scalars (loss, token counts)."""
+        return self.state["trained"] if self.slices > 1 else 0
 
     @property
     def devices(self) -> int:
@@ -414,6 +424,9 @@ class TrainingMemoryPlan:
         lines.append(f"{'total':<{w}}{self.total:>19,}{self.total / GB:>9.2f}")
         lines.append("total = weights + gradients + optimizer + max(saved act. + max(fake-quant + one layer's "
                      "backward, loss chunk), update)")
+        if self.slices > 1:
+            lines.append(f"across {self.slices} slices (data-center network), per device per step: the trained "
+                         f"gradients' shard, {self.cross_slice_bytes / GB:.3f} GB, one all-reduce")
         lines += [f"note: {n}" for n in self.notes]
         lines += ["", f"{'device':<22}{'HBM GB':>8}{'usable GB':>11}  fits"]
         for name, (label, cap) in DEVICES.items():
@@ -441,29 +454,34 @@ def plan_training(
     grad_accum: int = 1,
     vocab_chunk: int = 4096,
     rules: Rules | str | None = None,
+    slices: int = 1,
 ) -> TrainingMemoryPlan:
     """The per-device memory of one QAT fine-tuning step of `config` on `mesh` (no allocation):
     master weights, gradients, optimizer state and the activations of one micro-batch of
-    `micro_batch` rows x `seq_len` tokens under `remat` (module docstring)."""
+    `micro_batch` rows x `seq_len` tokens under `remat` (module docstring). With `slices` > 1
+    the mesh spans that many TPU slices, its `data` axis across them (`cross_slice_bytes`)."""
     _check_choice("trainable", trainable, TRAINABLE_SETS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_choice("master_dtype", master_dtype, MASTER_DTYPES)
     _check_choice("remat", remat, REMAT_POLICIES)
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum),
-                        ("vocab_chunk", vocab_chunk)):
+                        ("vocab_chunk", vocab_chunk), ("slices", slices)):
         if not (isinstance(value, (int, np.integer)) and value >= 1):
             raise ValueError(f"plan_training: {name}={value!r}, expected an int >= 1")
     name = config if isinstance(config, str) else "model"
     cfg = ModelConfig.preset(config) if isinstance(config, str) else config
     cfg = training_config(cfg, master_dtype)
     shape = parse_mesh(mesh)
+    if shape["data"] % slices:
+        raise ValueError(f"plan_training: mesh {mesh_str(shape)} over {slices} slices: data={shape['data']} is not a "
+                         "multiple of the slices (data parallelism runs across slices)")
     rules = get_rules(rules) or rules_for_mesh(shape)
     return TrainingMemoryPlan(
         name, shape, rules_name(rules), trainable, optimizer, master_dtype, remat, seq_len, micro_batch, grad_accum,
         cfg.num_hidden_layers, state_bytes(cfg, shape, rules, trainable, optimizer),
         activation_terms(cfg, shape, rules, remat=remat, seq_len=seq_len, micro_batch=micro_batch,
                          vocab_chunk=vocab_chunk),
-        _notes(cfg, shape, rules, micro_batch))
+        _notes(cfg, shape, rules, micro_batch), slices)
 
 
 def _qat_refusal(cfg: ModelConfig, mesh_shape, rules) -> str | None:

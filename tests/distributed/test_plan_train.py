@@ -261,3 +261,17 @@ def test_cli_prints_the_training_table(mesh):
     assert f"{plan.total:,}" in text and f"{plan.state['weights_experts']:,}" in text
     assert "-> does NOT fit" in text and "smallest mesh that fits" in text
     assert math.isclose(plan.total / 1e9, float(text.split(" GB per device of")[0].rsplit(" ", 1)[1]), rel_tol=1e-3)
+
+
+def test_slices_add_the_gradient_shard_each_device_sends_between_them(capsys):
+    one = distributed.plan_training("k31_pro", "data=2,expert=64,tensor=4")
+    two = distributed.plan_training("k31_pro", "data=2,expert=64,tensor=4", slices=2)
+    assert one.cross_slice_bytes == 0 and two.cross_slice_bytes == two.state["trained"] > 0
+    assert two.total == one.total  # a slice holds what a data-parallel replica holds
+    text = _cli("--mesh", "data=2,expert=64,tensor=4", "--slices", "2")
+    assert f"across 2 slices (data-center network), per device per step: the trained gradients' shard, " \
+           f"{two.cross_slice_bytes / 1e9:.3f} GB" in text
+    with pytest.raises(ValueError, match="data=1 is not a multiple of the slices"):
+        distributed.plan_training("k31_pro", "expert=64,tensor=4", slices=2)
+    assert main(["plan", "--train", "--config", "k31_pro", "--mesh", "expert=64,tensor=4", "--slices", "2"]) == 2
+    assert "--slices 2: the --mesh data axis (1) must be a multiple of the slices" in capsys.readouterr().err
