@@ -72,7 +72,7 @@ def _peers_watched(cmd: str):
 
 def _config_from_args(args) -> TrainConfig:
     data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                      holdout_fraction=args.holdout_fraction)
+                      holdout_fraction=args.holdout_fraction, shards=args.data_shards or jax.process_count())
     warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(optimizer=args.optimizer, learning_rate=args.lr, warmup_steps=warmup,
                         total_steps=args.steps, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
@@ -247,6 +247,10 @@ def register(sub) -> None:
     t.add_argument("--dtype", default="float32", choices=MASTER_DTYPES, help="master weights (default float32)")
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--batch-size", type=int, default=8, help="packed rows per micro-batch, all processes together")
+    t.add_argument("--data-shards", type=int, default=None,
+                   help="split the training documents into this many streams, each packed on its own, every "
+                        "batch taking the same rows from each; a process reads only the shards of its rows. "
+                        "Default: the number of processes (kept on --resume, which may use any count)")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     t.add_argument("--lr", type=float, default=3e-4)
@@ -349,7 +353,7 @@ def _check_train_args(args) -> None:
     _check_data_args(args)
     for flag, low in (("steps", 1), ("index_topk", 1), ("grad_accum", 1), ("vocab_chunk", 1), ("warmup", 0),
                       ("lora_rank", 0), ("save_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0),
-                      ("eval_batches", 1)):
+                      ("eval_batches", 1), ("data_shards", 1)):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=low, optional=True)
     check_float("--lr", args.lr, low=0, low_open=True)
     check_float("--min-lr-ratio", args.min_lr_ratio, low=0, high=1)

@@ -1,7 +1,7 @@
 """Placing the model on meshes: sharded init and restore, cache placement, the per-device
 memory planner, and process setup (`jax.distributed`; `tune_host_malloc` for XLA:CPU buffers)
 with what a multi-process run's processes agree on (`is_primary`, `barrier`, `any_process`,
-`host_copy`, `peer_failure`, `watch_peers`).
+`gather_json`, `host_copy`, `peer_failure`, `watch_peers`).
 
 Typical use::
 
@@ -20,7 +20,7 @@ The training planner's choices (`OPTIMIZERS`, `TRAINABLE_SETS`, `MASTER_DTYPES`)
 
 from ._host_malloc import backends_started, tune_host_malloc
 from ._initialize import initialize
-from ._processes import any_process, barrier, host_copy, is_primary, peer_failure
+from ._processes import any_process, barrier, gather_json, host_copy, is_primary, peer_failure
 from ._watch import PeerWatch, watch_peers
 from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_specs, describe, init_sharded,
                          init_sharded_cache, load_sharded, logical_axes, restore_targets, shard_cache, shard_model,
@@ -31,7 +31,7 @@ from ._plan_train import (MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS, TrainingMem
 
 __all__ = [
     "DEVICES", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "PeerWatch", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "any_process", "backends_started", "barrier", "cache_shardings",
-    "cache_specs", "describe", "host_copy", "init_sharded", "init_sharded_cache", "initialize", "is_primary", "is_trained", "load_sharded", "logical_axes",
+    "cache_specs", "describe", "gather_json", "host_copy", "init_sharded", "init_sharded_cache", "initialize", "is_primary", "is_trained", "load_sharded", "logical_axes",
     "peer_failure", "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
     "suggest_mesh", "suggest_training_mesh", "tune_host_malloc", "watch_peers",
 ]

@@ -8,6 +8,8 @@ flag stands), so single-process code pays nothing for them.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -30,6 +32,18 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).any())
+
+
+def gather_json(value) -> list:
+    """`value` (anything JSON can hold) of every process, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int32))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(row[:int(n)].tobytes()) for row, n in zip(rows, sizes.reshape(-1))]
 
 
 def host_copy(tree):

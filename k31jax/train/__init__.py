@@ -18,7 +18,8 @@ A run folder holds `RUN_FILE`; a run stopped by SIGTERM exits with `SIGTERM_EXIT
 
 from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics, sequence_balance_loss
 from ._config import DISTILL_STAGES, MASTER_DTYPES, TrainConfig
-from ._data import DataConfig, HoldoutSplit, heldout_bytes, holdout_split, load_documents, make_dataset
+from ._data import (DataConfig, HoldoutSplit, ShardedIterator, ShardedStream, heldout_bytes, holdout_split, load_documents,
+                    make_dataset)
 from ._distill import RecallResult, indexer_distill_terms, indexer_kl, indexer_recall, topk_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
@@ -34,7 +35,7 @@ __all__ = [
     "DISTILL_STAGES", "MASTER_DTYPES", "OPTIMIZERS", "RUN_FILE", "SIGTERM_EXIT", "TRAINABLE_SETS", "StepProgram", "StepSettings",
     "split_for_training", "train_step", "with_config",
     "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
-    "RecallResult", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",
+    "RecallResult", "ShardedIterator", "ShardedStream", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",
     "chunked_cross_entropy", "decay_mask", "eval_split", "evaluate", "expert_load", "full_cross_entropy",
     "heldout_bytes", "holdout_split", "indexer_distill_terms", "indexer_kl", "indexer_recall", "init_lora",
     "load_any", "load_documents", "load_generation_model", "load_metrics", "load_run", "make_dataset",

@@ -273,6 +273,14 @@ class DataConfig:
     a whole batch, all processes together: with ``num_processes`` / ``process_index`` each
     process gets its ``batch_size / num_processes`` rows of every batch, so a run's batches (and
     its saved position in them) do not depend on how many processes read them.
+    ``shards``: the training stream is that many streams over disjoint documents (document i
+    of the training split in shard ``i % shards``), each shuffled and packed on its own; every
+    batch takes ``batch_size / shards`` rows from each, in shard order. A process reads
+    (tokenizes, packs) only the shards its rows come from, so with ``shards`` a multiple of the
+    process count no process encodes another's documents; the batches depend on ``shards``,
+    not on the process count, and a checkpoint keeps each shard's position, so it resumes on
+    any count (with ``num_epochs``, the stream ends where its first shard does). ``1``: one
+    stream that every process reads whole, keeping its rows.
     ``packing_bins``: rows the first-fit packer fills at once (more bins, less padding). ``doc_separator``: split text files into documents.
     ``holdout_by`` / ``chunk_chars``: how the held-out split is made (the module docstring).
     """
@@ -286,6 +294,7 @@ class DataConfig:
     num_epochs: int | None = None
     num_processes: int = 1
     process_index: int = 0
+    shards: int = 1
     doc_separator: str | None = None
     packing_bins: int = 64
     holdout_by: str = "auto"
@@ -312,6 +321,9 @@ class DataConfig:
         if self.num_processes >= 1 and self.batch_size % self.num_processes:
             problems.append(f"batch_size {self.batch_size} (rows of all processes together) is not a multiple of "
                             f"num_processes {self.num_processes}")
+        if self.shards < 1 or self.batch_size % self.shards:
+            problems.append(f"shards {self.shards}: expected a divisor of batch_size {self.batch_size} (each shard "
+                            "gives every batch the same number of rows)")
         if self.packing_bins < 1:
             problems.append(f"packing_bins {self.packing_bins} < 1")
         if self.doc_separator == "":
@@ -466,24 +478,87 @@ class _EncodePieces:
         return split_into_pieces(tokens, trained, self.seq_len, self.byte_table)
 
 
-def make_dataset(cfg: DataConfig, tokenizer: TokenizerBase, split: str) -> grain.IterDataset:
-    """Batches of ``[batch_size, seq_len]`` row fields (see ``k31jax.train._packing``).
+def make_dataset(cfg: DataConfig, tokenizer: TokenizerBase, split: str) -> grain.IterDataset | ShardedStream:
+    """Batches of ``[batch_size / num_processes, T]`` row fields (see ``k31jax.train._packing``):
+    this process's rows of every batch.
 
-    ``iter(ds)`` is a grain ``DatasetIterator``; its ``get_state()`` / ``set_state()``
-    resume the stream exactly. ``"train"``: documents shuffled per epoch by ``cfg.seed``,
-    rows shuffled within each pack, ``cfg.num_epochs`` passes (``None``: forever), a short
-    final batch dropped. ``"heldout"``: one pass in file order, last batch zero-padded;
-    ``"all"``: the same over every document (evaluating text that was never trained on).
+    ``iter(ds)`` has ``get_state()`` / ``set_state()``, which resume the stream exactly.
+    ``"train"``: documents shuffled per epoch by ``cfg.seed``, rows shuffled within each pack,
+    ``cfg.num_epochs`` passes (``None``: forever), a short final batch dropped; with
+    ``cfg.shards`` > 1 a `ShardedStream`. ``"heldout"``: one pass in file order, last batch
+    zero-padded; ``"all"``: the same over every document (evaluating text that was never
+    trained on).
     """
     docs = split_documents(cfg, split)
-    source = grain.MapDataset.source(docs)
     train = split == "train"
+    if train and cfg.shards > 1:
+        return ShardedStream(cfg, tokenizer, docs)
+    return batch_for_process(_rows(cfg, tokenizer, docs, train, cfg.seed), cfg.batch_size,
+                             num_processes=cfg.num_processes, process_index=cfg.process_index, pad_last=not train)
+
+
+def _rows(cfg: DataConfig, tokenizer: TokenizerBase, docs: list[Document], train: bool, seed: int):
+    source = grain.MapDataset.source(docs)
     if train:  # shuffle before repeat: grain reshuffles each epoch with seed + epoch
-        source = source.shuffle(seed=cfg.seed).repeat(cfg.num_epochs)
+        source = source.shuffle(seed=seed).repeat(cfg.num_epochs)
     pieces = source.map(_EncodePieces(tokenizer, cfg.seq_len)).to_iter_dataset(_READ_OPTIONS)
-    rows = pack_rows(pieces, cfg.seq_len, num_bins=cfg.packing_bins, seed=cfg.seed, shuffle=train)
-    return batch_for_process(rows, cfg.batch_size, num_processes=cfg.num_processes,
-                             process_index=cfg.process_index, pad_last=not train)
+    return pack_rows(pieces, cfg.seq_len, num_bins=cfg.packing_bins, seed=seed, shuffle=train)
+
+
+class ShardedStream:
+    """The training stream of ``DataConfig.shards`` > 1 as one process reads it: the shards
+    whose rows of every batch are this process's, each its own grain pipeline (documents
+    ``i % shards == shard``, its own shuffling seed), and nothing of the others."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: TokenizerBase, docs: list[Document]):
+        per_shard, per_process = cfg.batch_size // cfg.shards, cfg.batch_size // cfg.num_processes
+        if len(docs) < cfg.shards:
+            raise ValueError(f"DataConfig: {len(docs)} training documents for shards={cfg.shards}: every shard needs "
+                             "one (fewer shards, or doc_separator to split the files)")
+        first = cfg.process_index * per_process  # this process's rows of a batch: [first, first + per_process)
+        owned = range(first // per_shard, (first + per_process - 1) // per_shard + 1)
+        self.rows = slice(first - owned.start * per_shard, first - owned.start * per_shard + per_process)
+        self.shards = {shard: _rows(cfg, tokenizer, docs[shard::cfg.shards], True, _shard_seed(cfg.seed, shard))
+                       .batch(per_shard, drop_remainder=True) for shard in owned}
+
+    def __iter__(self) -> ShardedIterator:
+        return ShardedIterator({shard: iter(ds) for shard, ds in self.shards.items()}, self.rows)
+
+
+def _shard_seed(seed: int, shard: int) -> int:
+    return (seed + shard * 0x9E3779B9) % 2**32  # shard 0 keeps the run's seed
+
+
+class ShardedIterator:
+    """Next: the owned shards' batches side by side, this process's rows of them. Its state
+    names each shard's position; `merge_states` joins the states of every process into the
+    state of the whole stream (what a checkpoint keeps, so it resumes on any process count)."""
+
+    def __init__(self, iterators: dict[int, Any], rows: slice):
+        self.iterators, self.rows = iterators, rows
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(self.iterators[shard]) for shard in sorted(self.iterators)]
+        return {k: np.concatenate([p[k] for p in parts])[self.rows] for k in parts[0]}
+
+    def get_state(self) -> dict:
+        return {"shards": {str(shard): it.get_state() for shard, it in self.iterators.items()}}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("shards", {}) if isinstance(state, dict) else {}
+        missing = sorted(set(map(str, self.iterators)) - set(saved))
+        if missing:
+            raise ValueError(f"the saved data position has no state for shard(s) {', '.join(missing)}: it was "
+                             "written with another DataConfig.shards")
+        for shard, it in self.iterators.items():
+            it.set_state(saved[str(shard)])
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        return {"shards": {k: v for state in states for k, v in state["shards"].items()}}
 
 
 def heldout_bytes(cfg: DataConfig, tokenizer: TokenizerBase) -> int:

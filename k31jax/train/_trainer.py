@@ -34,14 +34,14 @@ from tqdm import tqdm
 from ..chat import TokenizerBase
 from ..config import ModelConfig
 from ..ckpt import convert, write_synthetic_release
-from ..distributed import any_process, barrier, host_copy, is_primary, shard_model
+from ..distributed import any_process, barrier, gather_json, host_copy, is_primary, shard_model
 from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
 from ..generate import load_tokenizer, tokenizer_dir
 from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
 from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
-from ._data import DataConfig, HoldoutSplit, holdout_split, make_dataset, resolved_holdout
+from ._data import DataConfig, HoldoutSplit, ShardedIterator, holdout_split, make_dataset, resolved_holdout
 from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
 from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
 from ._metrics import MetricsLog, compiling_note
@@ -329,9 +329,10 @@ class Trainer:
             self._step_graphdef, self.settings = distill_setup(model, cfg)
             self._step_fn = _DISTILL_STEP
         # multi-host (after `k31jax.distributed.initialize`): each process keeps its slice of
-        # every global batch, assembled into one global array on the mesh. The global batch
-        # does not depend on the process count, and neither does the iterator's saved state,
-        # so a checkpoint resumes on another number of processes.
+        # every global batch (reading only its data shards' documents), assembled into one
+        # global array on the mesh. The global batch does not depend on the process count,
+        # and neither does the saved state (every shard's position), so a checkpoint resumes
+        # on another number of processes.
         data = dataclasses.replace(cfg.data, num_processes=jax.process_count(), process_index=jax.process_index())
         self.data_iter = iter(make_dataset(data, self.tokenizer, "train"))
         self.holdout: HoldoutSplit = holdout_split(cfg.data)
@@ -380,10 +381,13 @@ class Trainer:
         self.step = step
 
     def save(self) -> None:
+        data = self.data_iter.get_state()
+        if isinstance(self.data_iter, ShardedIterator):  # each process holds its shards' positions
+            data = ShardedIterator.merge_states(gather_json(data))
         self.manager.save(self.step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(self.params), opt_state=ocp.args.StandardSave(self.opt_state),
             trainable=ocp.args.StandardSave(self.trainable),
-            data=ocp.args.JsonSave(self.data_iter.get_state())), force=True)
+            data=ocp.args.JsonSave(data)), force=True)
 
     def _next_batch(self) -> dict[str, jax.Array]:
         micro = [next(self.data_iter) for _ in range(self.cfg.grad_accum)]

@@ -162,6 +162,78 @@ def test_processes_take_slices_of_the_same_global_batch(tmp_path):
                 assert np.array_equal(w[k], np.concatenate([p0[k], p1[k]])), (split, k)
 
 
+@pytest.mark.parametrize("shards,processes", [(2, 2), (4, 2), (2, 4), (3, 1)])
+def test_data_shards_split_the_documents_and_any_process_count_reads_the_same_batches(tmp_path, monkeypatch,
+                                                                                      shards, processes):
+    """Each shard is a stream over its own documents (i % shards); a batch takes the same rows
+    from each, in shard order. A process encodes only the documents of the shards its rows come
+    from, the processes' rows together are the one-process batch, and the saved position of
+    every shard (merged over processes) resumes on another process count."""
+    from k31jax.train import _data
+    from k31jax.train._data import ShardedIterator
+
+    texts = random_texts(24, seed=9)
+    folder = write_texts(tmp_path / "d", texts)
+    common = dict(paths=(str(folder),), seq_len=20, seed=2, holdout_fraction=0.0, packing_bins=3, batch_size=12,
+                  shards=shards)
+    encoded = []  # (the encoder, a document it encoded): grain's reader threads of every iterator
+    original = _data._EncodePieces.__call__
+    monkeypatch.setattr(_data._EncodePieces, "__call__",
+                        lambda self, doc: encoded.append((self, doc.text)) or original(self, doc))
+    made = []
+    init = _data._EncodePieces.__init__
+    monkeypatch.setattr(_data._EncodePieces, "__init__", lambda self, *a: made.append(self) or init(self, *a))
+    whole = iter(make_dataset(DataConfig(**common), BYTES, "train"))
+    want = [next(whole) for _ in range(6)]
+    order = [d.text for d in load_documents((str(folder),))]
+    per_process = []
+    for p in range(processes):
+        made.clear()
+        it = iter(make_dataset(DataConfig(num_processes=processes, process_index=p, **common), BYTES, "train"))
+        mine = list(made)  # this process's encoders
+        per_process.append(it)
+        got = [next(it) for _ in range(3)]
+        rows = slice(p * 12 // processes, (p + 1) * 12 // processes)
+        for w, g in zip(want, got):
+            for k in FIELDS:
+                assert np.array_equal(w[k][rows], g[k]), (p, k)
+        first_shard, last_shard = rows.start // (12 // shards), (rows.stop - 1) // (12 // shards)
+        read = {order.index(text) % shards for encoder, text in list(encoded) if any(encoder is m for m in mine)}
+        assert read, "the spy saw nothing"
+        assert read <= set(range(first_shard, last_shard + 1)), (p, read)  # no other shard's document encoded
+    # the saved position of the whole stream after 3 batches, from the processes' parts
+    state = json.loads(json.dumps(ShardedIterator.merge_states([it.get_state() for it in per_process])))
+    resumed = iter(make_dataset(DataConfig(**common), BYTES, "train"))  # on one process
+    resumed.set_state(state)
+    for w in want[3:]:
+        g = next(resumed)
+        for k in FIELDS:
+            assert np.array_equal(w[k], g[k]), k
+    rows = set()  # no row read twice: across the 6 batches every packed row is distinct
+    for w in want:
+        rows |= {w["tokens"][r].tobytes() for r in range(12)}
+    assert len(rows) == 6 * 12
+
+
+def test_data_shards_refuse_what_cannot_be_split(tmp_path):
+    folder = write_texts(tmp_path / "d", random_texts(3, seed=10))
+    with pytest.raises(ValueError, match="shards 5: expected a divisor of batch_size 8"):
+        DataConfig((str(folder),), seq_len=16, batch_size=8, shards=5)
+    with pytest.raises(ValueError, match="3 training documents for shards=4"):
+        make_dataset(DataConfig((str(folder),), seq_len=16, batch_size=8, shards=4, holdout_fraction=0.0), BYTES,
+                     "train")
+    state = iter(make_dataset(DataConfig((str(folder),), seq_len=16, batch_size=8, shards=2, holdout_fraction=0.0),
+                              BYTES, "train")).get_state()
+    four = iter(make_dataset(DataConfig((str(folder),), seq_len=16, batch_size=8, shards=1, holdout_fraction=0.0),
+                             BYTES, "train"))
+    with pytest.raises(Exception):
+        four.set_state(state)  # a one-stream iterator cannot take a sharded position
+    two_of_four = iter(make_dataset(DataConfig((str(folder),), seq_len=16, batch_size=8, shards=2,
+                                               holdout_fraction=0.0, num_processes=2, process_index=1), BYTES, "train"))
+    with pytest.raises(ValueError, match=r"no state for shard\(s\) 1: it was written with another DataConfig.shards"):
+        two_of_four.set_state({"shards": {"0": state["shards"]["0"]}})
+
+
 # ---- held-out split ------------------------------------------------------------------------
 def test_heldout_is_disjoint_stable_and_padded(tmp_path):
     texts = random_texts(40, seed=7, max_chars=40)

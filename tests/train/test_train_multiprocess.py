@@ -1,5 +1,6 @@
 """`k31jax train` on two processes (loopback, CPU devices, gloo collectives) on a
-`fsdp=2,expert=2,tensor=2` mesh: the losses and parameters of one process with all 8 devices,
+`fsdp=2,expert=2,tensor=2` mesh, the documents in two data shards (each process reads its own):
+the losses and parameters of one process with all 8 devices reading both shards,
 checkpoints that resume on the other topology, SIGTERM to one process stopping both, and a
 killed process ending the other with one line."""
 
@@ -56,7 +57,7 @@ def small_config(tmp_path_factory):
 def _train_args(out, corpus, config, *extra):
     return ["train", "--out", out, "--data", corpus, "--config", config, "--seq-len", 48, "--batch-size", 4, "--steps", STEPS,
             "--save-every", 4, "--keep", 4, "--lr", LR, "--warmup", 1, "--holdout-fraction", 0.2,
-            "--eval-batches", 1, "--mesh", MESH, "--no-progress", *extra]
+            "--eval-batches", 1, "--mesh", MESH, "--data-shards", 2, "--no-progress", *extra]
 
 
 def _one_process(*args):
