@@ -257,7 +257,6 @@ class CompileReport:
             lines += [f"  {b / GB:>9.2f} GB  {name[-100:]}" for b, name in h.traffic]
         return "\n".join(lines)
 
-
     def _cross_slice_lines(self, top: int = 8) -> list[str]:
         h, planned = self.hlo, self.planner.get("cross_slice")
         lines = ["across slices (data-center network), per call and device: " + (", ".join(

@@ -107,10 +107,8 @@ def _defaults(args: argparse.Namespace) -> None:
 def _cmd_train(args) -> int:
     _defaults(args)
     enable_compile_cache()
-    try:  # several processes: the flags, or K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
-        initialize_from_args(args)
-    except ValueError as e:
-        return _fail("train", str(e))
+    # several processes: the flags, or K31JAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID
+    initialize_from_args(args)
     with _peers_watched("train") as watch:
         try:
             return _train(args, watch)
