@@ -398,6 +398,7 @@ def shared_prefix(args, lm, ids, say: Lines) -> None:
     compile_s = time.perf_counter() - t0
     sched.start()
     outputs: dict[str, list] = {}
+    held: dict[str, int] = {}  # the prefix cache after a round
     loads = {"shared": [], "none": []}
     foreign = OtherCPU()
 
@@ -410,6 +411,9 @@ def shared_prefix(args, lm, ids, say: Lines) -> None:
             outputs.setdefault(name, [d.completion.tokens for d in done])
             assert outputs[name] == [d.completion.tokens for d in done]
             ttft = np.asarray([d.ttft_seconds * 1e3 for d in done])
+            if cache_bytes:
+                held.update(bytes=sched.prefix.bytes, held=sched.prefix.held_tokens, snapshots=len(sched.prefix),
+                            tokens=sum(len(s) for s in sched.prefix.sequences()))
             return {"ttft_p50_ms": np.quantile(ttft, 0.5), "ttft_mean_ms": ttft.mean(),
                     "cached": sum(d.cached_tokens for d in done)}
         return lambda: timed(run, loads[name], foreign)
@@ -430,6 +434,8 @@ def shared_prefix(args, lm, ids, say: Lines) -> None:
     say(f"TTFT p50 ratio (none / shared): {ratio(st['none']['ttft_p50_ms'], st['shared']['ttft_p50_ms']):.2f}x "
         f"(target >= 5x); mean {ratio(st['none']['ttft_mean_ms'], st['shared']['ttft_mean_ms']):.2f}x; "
         f"greedy outputs identical: {same}")
+    say(f"prefix cache after a round: {held['snapshots']} snapshots of {held['tokens']:,} tokens in all, the radix "
+        f"tree holding {held['held']:,} tokens' rows (each shared prefix once): {held['bytes'] / 2**20:.1f} MiB")
     say(f"1-min load before/after each timed run: shared {' '.join(loads['shared'])}; none "
         f"{' '.join(loads['none'])}; other processes' CPU during them: {foreign.cores() or 0:.2f} cores")
 

@@ -108,7 +108,8 @@ def _engine(args, vision: bool | None = False):
     `load_model`: True loads (or builds a seeded random) vision tower now."""
     enable_compile_cache()
     loaded = load_generation_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
-                                   tokenizer=args.tokenizer, vision=vision)
+                                   tokenizer=args.tokenizer, vision=vision,
+                                   expert_activations="mxfp8" if args.mxfp8_activations else None)
     if loaded.banner:
         print(f"[k31jax] {loaded.banner}", file=sys.stderr)
     if loaded.vision_banner:
@@ -444,6 +445,8 @@ def _common(p, *, max_new_tokens: int) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="folder with tiktoken.model (default: the --ckpt folder)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype (Orbax default: bfloat16)")
+    p.add_argument("--mxfp8-activations", action="store_true", help="round the routed experts' GEMM inputs to MXFP8 (E4M3, one scale per 32; K3.1's deployment: MXFP4 "
+                        "weights, MXFP8 activations), as QAT's fake-quant does")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="auto: when stdout is a terminal and NO_COLOR is not set")
     add_speculation_arguments(p)

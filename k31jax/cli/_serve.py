@@ -46,6 +46,8 @@ def register(sub) -> None:
                      help=f"preset with seeded random weights instead of the embedded default model ({DEFAULT_MODEL})")
     p.add_argument("--tokenizer", default=None, help="folder with tiktoken.model (default: the checkpoint's)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype")
+    p.add_argument("--mxfp8-activations", action="store_true", help="round the routed experts' GEMM inputs to MXFP8 (E4M3, one scale per 32; K3.1's deployment: MXFP4 "
+                        "weights, MXFP8 activations), as QAT's fake-quant does")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (no --ckpt)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -130,7 +132,8 @@ def _run(args) -> int:
             raise UsageError(f"{jax.process_count()} processes: multi-process serving needs --mesh over every "
                              "process's devices")
         loaded = load_generation_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
-                                       tokenizer=args.tokenizer, vision=True if args.vision else None)
+                                       tokenizer=args.tokenizer, vision=True if args.vision else None,
+                                       expert_activations="mxfp8" if args.mxfp8_activations else None)
         if loaded.banner:
             print(f"[k31jax] {loaded.banner}", file=sys.stderr)
         if loaded.vision_banner:

@@ -16,7 +16,7 @@ import jax
 
 from ..distributed import is_primary, peer_failure, shard_model, watch_peers
 from ..sharding import activate
-from ..nn import REMAT_POLICIES, quantize_experts
+from ..nn import REMAT_POLICIES, quantize_experts, reconfigure
 from ..generate import DEFAULT_MODEL
 from ..train import (DISTILL_STAGES, MASTER_DTYPES, OPTIMIZERS, RUN_FILE, SIGTERM_EXIT, TRAINABLE_SETS, DataConfig,
                      OptimConfig, TrainConfig, Trainer, eval_split, evaluate, indexer_recall, load_any, plot_metrics,
@@ -171,6 +171,8 @@ def _evaluate(args, mesh) -> int:
             if not model.config.moe_layers or model.config.expert_weights == "mxfp4":
                 return _fail("eval", "--quantize-experts needs a model with float routed experts")
             model = quantize_experts(model)
+        if args.mxfp8_activations:
+            model = reconfigure(model, expert_activations="mxfp8")
         data = DataConfig(paths=tuple(args.data), seq_len=args.seq_len, batch_size=args.batch_size)
         data, split, why = eval_split(data, args.ckpt, split=args.split, holdout_fraction=args.holdout_fraction)
         if why and is_primary():
@@ -199,6 +201,8 @@ def _evaluate(args, mesh) -> int:
     if not is_primary():  # process 0 reports the result
         return 0
     what = " (routed experts rounded to MXFP4 after training)" if args.quantize_experts else ""
+    if model.config.expert_activations == "mxfp8":
+        what += ", routed experts' GEMM inputs in MXFP8"
     if model.config.use_indexer:
         k = model.config.index_topk
         what += (", dense attention (no top-k selection)" if k >= args.seq_len
@@ -207,7 +211,7 @@ def _evaluate(args, mesh) -> int:
     if recall is not None:
         print(f"indexer: {recall.line()}")
     if args.json:
-        row = dataclasses.asdict(result)
+        row = dataclasses.asdict(result) | {"expert_activations": model.config.expert_activations}
         if model.config.use_indexer:
             row["index_topk"] = model.config.index_topk
         if recall is not None:
@@ -305,6 +309,8 @@ def register(sub) -> None:
     e.add_argument("--max-batches", type=int, default=None)
     e.add_argument("--quantize-experts", action="store_true",
                    help="round float routed experts to MXFP4 first (the post-training-quantisation baseline)")
+    e.add_argument("--mxfp8-activations", action="store_true",
+                   help="round the routed experts' GEMM inputs to MXFP8, as `generate` / `serve --mxfp8-activations`")
     e.add_argument("--dtype", default=None, choices=MASTER_DTYPES,
                    help="compute dtype (default: the checkpoint's; a release folder is bfloat16, the embedded "
                         "model float32)")

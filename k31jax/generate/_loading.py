@@ -39,7 +39,7 @@ from flax import nnx
 from ..chat import ByteTokenizer, KimiTokenizer
 from ..ckpt import ASSETS_DIR, is_orbax_checkpoint, load_checkpoint, load_checkpoint_vision, load_hf_weights
 from ..config import ModelConfig, VisionConfig
-from ..nn import K31ForCausalLM
+from ..nn import K31ForCausalLM, reconfigure
 from ..vision import PROCESSOR_FILE, VisionModel, load_vision_model, read_processor_config, release_shapes
 
 DEFAULT_MODEL = "embedded"  # the trained model of `embedded_model_dir()` (its architecture: preset "embedded")
@@ -144,7 +144,7 @@ def _random_vision(cfg: ModelConfig, seed: int, what: str):
 
 def load_model(ckpt: str | os.PathLike | None = None, *, config: str | None = None, seed: int = 0,
                dtype: str | None = None, tokenizer: str | os.PathLike | None = None,
-               vision: bool | None = None) -> LoadedModel:
+               vision: bool | None = None, expert_activations: str | None = None) -> LoadedModel:
     """Load `ckpt` (safetensors or Orbax folder); without it, the preset `config` with seeded
     random weights (then `banner` says so), or with neither the embedded default model (float32
     unless `dtype` says otherwise). The tokenizer comes from `tokenizer` (a folder with
@@ -152,8 +152,14 @@ def load_model(ckpt: str | os.PathLike | None = None, *, config: str | None = No
 
     vision: True loads the vision model now (a checkpoint must have one; the embedded model and
     presets get seeded random weights, `vision_banner` says so); None loads a checkpoint's own
-    tower now, if it has one; False loads none now. `LoadedModel.load_vision()` loads it later."""
+    tower now, if it has one; False loads none now. `LoadedModel.load_vision()` loads it later.
+
+    expert_activations: "mxfp8" rounds the routed experts' GEMM inputs to MXFP8 (E4M3, one
+    E8M0 scale per 32 along the contraction; K3.1's deployment: MXFP4 weights, MXFP8
+    activations), exactly as QAT's fake-quant does; "bf16" leaves them; None: the config's."""
     loaded = _load_text(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer)
+    if expert_activations is not None:
+        loaded.model = reconfigure(loaded.model, expert_activations=expert_activations)
     trained = ckpt is not None and loaded.vision_loader is not None
     if vision or (vision is None and trained):
         loaded.load_vision()

@@ -11,7 +11,7 @@ from ._kda_layer import KDAMixer
 from ._layer_stack import (LAYER_STACKS, OUT_MAJOR_PROJECTIONS, REMAT_POLICIES, ROUTED_EXPERTS, expert_words,
                            out_major_projections, unstack_layers)
 from ._mla_layer import Indexer, MLAMixer
-from ._model import INTERMEDIATES, HiddenOutput, K31ForCausalLM, LayerNorms, ModelOutput, abstract_model
+from ._model import INTERMEDIATES, HiddenOutput, K31ForCausalLM, LayerNorms, ModelOutput, abstract_model, reconfigure
 from ._param import OutMajor, constant, normal, param
 from ._sizes import ParamCount, count_params
 
@@ -21,5 +21,5 @@ __all__ = [
     "K31ForCausalLM", "KDALayerCache", "KDAMixer", "KDATrail", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
     "ModelOutput", "MoEOutput", "PackedExperts", "ParamCount", "Routing", "abstract_model", "constant",
     "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "kpe_width", "normal",
-    "out_major_projections", "param", "quantize_experts", "unstack_layers",
+    "out_major_projections", "param", "quantize_experts", "reconfigure", "unstack_layers",
 ]

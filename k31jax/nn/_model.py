@@ -340,3 +340,20 @@ class K31ForCausalLM(nnx.Module):
 def abstract_model(config: ModelConfig) -> K31ForCausalLM:
     """The model with ShapeDtypeStruct leaves: nothing is allocated (`nnx.eval_shape`)."""
     return nnx.eval_shape(lambda: K31ForCausalLM(config, rngs=nnx.Rngs(0)))
+
+
+def reconfigure(model: K31ForCausalLM, **changes) -> K31ForCausalLM:
+    """The same parameter arrays (shared, not copied) under the config with `changes`, which must
+    be settings that leave every parameter's shape and dtype as it is: the indexer's top-k,
+    `expert_activations="mxfp8"` (the routed experts' GEMM inputs rounded to MXFP8 at
+    inference, as K3.1 is deployed), the QAT switches. A change of shapes is refused."""
+    config = model.config.replace(**changes)
+    if config == model.config:
+        return model
+    graphdef, target = nnx.split(abstract_model(config))
+    state = nnx.state(model)
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.to_pure_dict(tree))  # noqa: E731
+    if shapes(state) != shapes(target):
+        raise ValueError(f"reconfigure({', '.join(f'{k}={v!r}' for k, v in changes.items())}) changes parameter "
+                         "shapes or dtypes: load the model under that config instead")
+    return nnx.merge(graphdef, state)

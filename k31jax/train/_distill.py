@@ -46,7 +46,7 @@ from jax.scipy.special import xlogy
 from jaxtyping import Array, Bool, Float
 
 from ..chat import TokenizerBase
-from ..nn import K31ForCausalLM, abstract_model
+from ..nn import K31ForCausalLM, reconfigure
 from ..ops import Backends, indexer_scores, mla_attention_logits, rms_norm, selection_mask
 from ._config import DISTILL_STAGES, TrainConfig
 from ._data import DataConfig, make_dataset
@@ -190,8 +190,7 @@ def with_index_topk(model: K31ForCausalLM, top_k: int) -> K31ForCausalLM:
     turns selection off (the layer is then exactly dense gated MLA, architecture.md §10.2)."""
     if not model.config.use_indexer:
         raise ValueError("the model has no lightning indexer (index_topk is None)")
-    graphdef, _ = nnx.split(abstract_model(model.config.replace(index_topk=int(top_k))))
-    return nnx.merge(graphdef, nnx.state(model))
+    return reconfigure(model, index_topk=int(top_k))
 
 
 # ---------------------------------------------------------------------------- training step

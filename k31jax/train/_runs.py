@@ -19,6 +19,7 @@ import shlex
 from pathlib import Path
 
 from ..generate import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
+from ..nn import reconfigure
 from ._data import DataConfig, data_files, holdout_split
 from ._trainer import FINAL, is_embedded, is_run, load_run, read_run, with_config
 
@@ -46,21 +47,23 @@ def _final_export(run: Path) -> Path | None:
 
 def load_generation_model(ckpt: str | os.PathLike | None = None, *, config: str | None = None, seed: int = 0,
                           dtype: str | None = None, tokenizer: str | os.PathLike | None = None,
-                          vision: bool | None = None) -> LoadedModel:
+                          vision: bool | None = None, expert_activations: str | None = None) -> LoadedModel:
     """`k31jax.generate.load_model`, and also a training run: its folder (the final export, or
     without one the newest checkpoint) or its export's folder. The run's base model sets the
     defaults (the embedded model's: float32, raw completion), and `banner` says what was
     loaded."""
     run_dir = None if ckpt is None else run_of(ckpt)
     if run_dir is None:
-        return load_model(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer, vision=vision)
+        return load_model(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer, vision=vision,
+                          expert_activations=expert_activations)
     run = read_run(run_dir)
     embedded_family = run.model == DEFAULT_MODEL
     dtype = dtype or (_EMBEDDED_DEFAULT_DTYPE if embedded_family else None)
     tokenizer = tokenizer or run.tokenizer
     export = _final_export(run_dir) if Path(ckpt) == run_dir else Path(ckpt)
     if export is not None:
-        loaded = load_model(export, dtype=dtype, tokenizer=tokenizer, vision=vision)
+        loaded = load_model(export, dtype=dtype, tokenizer=tokenizer, vision=vision,
+                            expert_activations=expert_activations)
         what = str(export) if export != Path(ckpt) else "this export"
     else:
         if vision:
@@ -69,6 +72,8 @@ def load_generation_model(ckpt: str | os.PathLike | None = None, *, config: str 
         model, tok, step = load_run(run_dir)
         if dtype is not None and dtype != model.config.dtype:
             model = with_config(model, model.config.replace(dtype=dtype))
+        if expert_activations is not None:
+            model = reconfigure(model, expert_activations=expert_activations)
         loaded = LoadedModel(model, tok, f"{run_dir} (step {step})")
         what = f"its newest checkpoint, step {step} (the run has no {FINAL}/ export)"
     base = f"fine-tuned from {run.model}" if run.init is not None else f"trained from --config {run.model}"

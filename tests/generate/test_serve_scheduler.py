@@ -315,7 +315,7 @@ def test_follower_steps_the_same_batch_as_its_leader(setup):
     assert leader.stats["cancelled"] == 1 and leader.stats["requests"] == 7
     assert follower.stats == leader.stats
     assert follower.pos == leader.pos and follower.prefix.hits == leader.prefix.hits
-    assert list(follower.prefix._entries) == list(leader.prefix._entries)
+    assert follower.prefix.sequences() == leader.prefix.sequences()
     for a, b in zip(jax.tree.leaves(leader.cache), jax.tree.leaves(follower.cache)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert dict(sched.compile_counts) == compiled
