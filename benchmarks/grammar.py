@@ -21,11 +21,12 @@ call structure at all.
    requests with `response_format` `json_schema` (OpenAI) or `output_config.format` (Anthropic)
    on random schemas: the content must parse and validate.
 2. Overhead. In-process `Scheduler` (batch 8) on 8 concurrent tool-choice-required requests
-   with strict random schemas, with and without the grammar (same requests, same forcer); the
-   median decode step (dispatch to every row's token handled, `Scheduler.step_seconds`) over
-   the steps that ran all 8 rows; the two sides alternate, `--repeats` rounds after one warm-up.
-   Target: the grammar adds <= 10% to a step. Also the host time of one row's mask
-   (`Scheduler.grammar_seconds`), filled while the device runs the step's forward pass.
+   with strict random schemas, with and without the grammar (same requests; the grammar holds
+   the tool choice, the forcer does without it); the median decode step (dispatch to every
+   row's token handled, `Scheduler.step_seconds`) over the steps that ran all 8 rows; the two
+   sides alternate, `--repeats` rounds after one warm-up. Target: the grammar adds <= 10% to a
+   step. Also the host time of one row's mask (`Scheduler.grammar_seconds`), filled while the
+   device runs the step's forward pass.
 
 `--record` writes the printed blocks into RESULTS.md's section `grammar` (refused when other
 processes shared the cores, unless `--force`).

@@ -15,8 +15,9 @@
   markup). ``k3_last_channel``: the last channel marker of a prompt(+output). K2:
   ``parse_k2_segments`` / ``parse_k2`` / ``K2StreamParser``.
 - Thinking budget: ``ThinkingBudget.k3(tok, budget).start(prompt_ids)`` → ``state.step(id)``.
-- Compaction: ``compact_history`` replaces chosen tool results with stubs, every call kept, so
-  the history's head renders as before (a server resumes it from its stored state).
+- Compaction: ``compact_history`` replaces chosen documents (tool results, user text parts marked
+  with a ``document_id``) with stubs, every call kept, so the history's head renders as before
+  (a server resumes it from its stored state; ``document_messages`` says where to store it).
 
 Pure Python: importing this package never imports JAX (tiktoken is imported only when a
 ``KimiTokenizer`` is built).
@@ -24,7 +25,7 @@ Pure Python: importing this package never imports JAX (tiktoken is imported only
 
 from k31jax.chat._bpe import train_bpe, write_tiktoken_model
 from k31jax.chat._byte_tokenizer import ByteTokenizer
-from k31jax.chat._compaction import DEFAULT_STUB, compact_history
+from k31jax.chat._compaction import DEFAULT_DOCUMENT_STUB, DEFAULT_STUB, compact_history, document_messages
 from k31jax.chat._k2 import K2StreamParser, parse_k2, parse_k2_segments, render_k2
 from k31jax.chat._k3_output import K3StreamParser, k3_last_channel, parse_k3, parse_k3_segments
 from k31jax.chat._media import IMAGE_PART_TYPES, MediaPartError, image_part_bytes, media_block
@@ -56,5 +57,5 @@ __all__ = [
     # thinking budget
     "ThinkPhase", "ThinkingBudget",
     # compaction of an agent's history
-    "DEFAULT_STUB", "compact_history",
+    "DEFAULT_DOCUMENT_STUB", "DEFAULT_STUB", "compact_history", "document_messages",
 ]

@@ -23,13 +23,9 @@ and which may not (``banned``: the stop ids, so the turn cannot end before its c
 - ``tool_choice="none"``: once the response channel closes, the message is closed and ended
   (the tools channel is never opened); a server also drops any call from the parse.
 
-Under a grammar (``Request.grammar``, ``_grammar``) the forcer still runs beside it: the
-grammar holds what the model writes (declared names, arguments valid against their schemas)
-and closes what is open in a row's last tokens, while the forcer keeps the room the call needs
-(forcing the way in before the budget runs out, which no grammar knows of) and ends the turn
-after its one call. Every id it forces is one the grammar allows; the cut tail is the
-exception (a call still open when the budget ends), and the row then runs on without its
-grammar (``RowGrammar.broken``).
+Under a grammar (``Request.grammar``, ``_grammar``) no forcer runs: the scheduler gives the
+grammar the tool choice, and the grammar's closing tiers keep the room the call needs. This
+state machine serves rows without a grammar (``k31jax serve --no-grammar``, requests without one).
 """
 
 from __future__ import annotations
@@ -68,7 +64,7 @@ class ToolChoiceForcer:
             raise ValueError("tool_choice 'required' needs at least one declared tool")
         enc = lambda segs: list(tokenizer.encode_segments(segs))  # noqa: E731
         self.mode, self.max_new = mode, max_new_tokens
-        self.args_room = args_room  # the shortest arguments a grammar allows (`_grammar.reply_room`)
+        self.args_room = args_room  # a grammar's shortest arguments (`_grammar.reply_room`), for `min_new_tokens`
         self.close_think, self.open_response = enc(close_tag("think")), enc(open_tag("response"))
         self.close_response, self.open_tools = enc(close_tag("response")), enc(open_tag("tools"))
         self.close_call = enc(close_tag("call"))

@@ -24,7 +24,9 @@ typed ``argument`` blocks:
   so the call always parses.
 
 ``response_format`` puts JSON in the content channel: ``{"type": "object"}`` for
-``json_object``, the given schema for ``json_schema``.
+``json_object``, the given schema for ``json_schema``. Under a ``required`` or ``named`` tool
+choice the tools channel must come, one call only when calls may not come in parallel, and the
+content is empty (the reply is the call, as a forced call's is in the OpenAI API).
 
 Why llguidance (not xgrammar, the other well-kept choice): its Python wheel has no
 dependencies (xgrammar 0.2.9 requires torch, transformers and triton), it takes Lark with
@@ -51,6 +53,12 @@ the grammar then forces the key). Where the grammar requires something else (a r
 argument, a JSON value, a declared name) the model chooses within the grammar as before, and
 forced stretches (a marker's name) follow from the grammar alone. The reply then ends
 well-formed, its arguments complete.
+
+The same closing keeps a forced tool choice's room: the grammar holds the choice (a required or
+named call cannot be left out, the tools channel cannot be opened under "none"), and from the
+reasoning closing takes the way into the call (close the reasoning, open and close the
+response, open the tools channel, the header) within ``CLOSING_MARGIN``. So a grammar row needs
+no tool-choice forcer beside it (``_forcing`` serves rows without one).
 """
 
 from __future__ import annotations
@@ -278,8 +286,8 @@ def k3_lark(grammar: OutputGrammar, thinking: bool) -> str:
     think channel, so the reply starts with reasoning."""
     g = _Lark()
     head = f'TEXT? {_marker("think", True)} {_marker("response")} ' if thinking else ""
-    if grammar.content_schema is None:
-        content = "TEXT?"
+    if grammar.content_schema is None:  # a forced call's reply is the call: no text beside it
+        content = "" if grammar.tool_choice in ("required", "named") else "TEXT?"
     else:
         try:
             content = g.json(json.loads(grammar.content_schema))
@@ -379,7 +387,24 @@ def reply_room(tokenizer, grammar: OutputGrammar, every: bool = False) -> int:
             segments += open_tag("argument", [("key", key), ("type", kind)]) + [Segment(text, False)]
             segments += close_tag("argument")
         room = max(room, len(tokenizer.encode_segments(segments)))
+    if every and grammar.tool_choice in ("required", "named"):  # the markup CLOSING_MARGIN does not cover
+        room += max(0, _forced_call_markup(tokenizer, grammar) - CLOSING_MARGIN)
     return room
+
+
+def _forced_call_markup(tokenizer, grammar: OutputGrammar) -> int:
+    """Tokens of the markup a required or named call adds to its arguments when closing starts
+    in the reasoning: the way out of it into the tools channel, the longest call header, and the
+    tail that ends the turn. ``CLOSING_MARGIN`` holds it for a tokenizer with the K3 specials;
+    a byte-level one spends a token per character of it, and closing then starts earlier."""
+    from ..chat import Segment, close_tag, escape_attr, open_tag
+
+    way_in = close_tag("think") + open_tag("response") + close_tag("response") + open_tag("tools")
+    tail = close_tag("call") + close_tag("tools") + close_tag("message") + [Segment("<|end_of_msg|>", True)]
+    names = [grammar.name] if grammar.tool_choice == "named" else [t.name for t in grammar.tools]
+    header = max(len(tokenizer.encode_segments(open_tag("call", [("tool", escape_attr(n)), ("index", "1")])))
+                 for n in names)
+    return len(tokenizer.encode_segments(way_in + tail)) + header
 
 
 def closing_ids(tokenizer) -> dict[str, np.ndarray]:
@@ -408,9 +433,8 @@ def closing_ids(tokenizer) -> dict[str, np.ndarray]:
 class RowGrammar:
     """One row's matcher: ``fill`` its next-token bitmask, ``push`` each generated id."""
 
-    def __init__(self, matcher, max_new_tokens: int, room: int = 0, args_room: int = 0):
+    def __init__(self, matcher, max_new_tokens: int, room: int = 0):
         self.matcher = matcher
-        self.args_room = args_room  # the shortest valid arguments (`reply_room`), for the tool-choice forcer
         self.closing_from = max_new_tokens - closing_reserve(max_new_tokens, room)  # generated ids before closing
         self.generated = 0
         self.broken = False  # an id the grammar refused was forced in (the row runs on unconstrained)
@@ -480,8 +504,8 @@ class GrammarCompiler:
         if template is None:  # dropped by another thread's compile meanwhile
             self.compile(grammar, prompt)
             return self.row(grammar, prompt, max_new_tokens)
-        matcher, args_room, closing_room = template
-        return RowGrammar(matcher.deep_copy(), max_new_tokens, closing_room, args_room)
+        matcher, _, closing_room = template
+        return RowGrammar(matcher.deep_copy(), max_new_tokens, closing_room)
 
     def room(self, grammar: OutputGrammar, prompt: Sequence[int]) -> int:
         """``reply_room`` of a grammar (compiling it if it is not kept)."""

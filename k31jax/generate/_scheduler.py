@@ -333,6 +333,11 @@ class Scheduler:
     def submit(self, req: Request, *, tool_choice: ToolChoice | None = None, logprobs: bool = False,
                sink: Callable[[object], None] | None = None) -> Handle:
         self.check(req)
+        if req.grammar is not None and tool_choice is not None:  # the grammar holds the choice: no forcer runs
+            forced = tool_choice.mode in ("required", "named")  # one forced call ends the turn, as the forcer's
+            req = dataclasses.replace(req, grammar=dataclasses.replace(
+                req.grammar, tool_choice=tool_choice.mode, name=tool_choice.name,
+                parallel=req.grammar.parallel and not forced))
         # A grammar is compiled here, on the caller's thread: a bad schema is the caller's error.
         args_room = 0 if req.grammar is None else self.grammar_compiler.room(req.grammar, req.prompt)
         if tool_choice is not None and tool_choice.mode != "none":
@@ -559,9 +564,11 @@ class Scheduler:
         tc = h.tool_choice
         grammar = (None if req.grammar is None
                    else self.grammar_compiler.row(req.grammar, req.prompt, req.max_new_tokens))
-        forcer = None if tc is None else ToolChoiceForcer(
+        # A grammar row's tool choice is its grammar's; its closing tiers keep the room the call
+        # needs (`_grammar`, "Closing"). The forcer serves rows without a grammar.
+        forcer = None if tc is None or grammar is not None else ToolChoiceForcer(
             self.tokenizer, tc.mode, tool_names=tc.names, name=tc.name, prompt_ids=req.prompt,
-            max_new_tokens=req.max_new_tokens, args_room=0 if grammar is None else grammar.args_room)
+            max_new_tokens=req.max_new_tokens)
         n = len(req.prompt)
         row = _Row(h, ctl, forcer, grammar, n, p.cached_tokens, 0.0, key=p.key)
         self.stats["grammar_requests"] += grammar is not None

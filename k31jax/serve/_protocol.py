@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..chat import ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template, resolve_reasoning_effort
+from ..chat import (ChatTemplateError, MediaPartError, ParsedMessage, apply_chat_template, document_messages,
+                    resolve_reasoning_effort)
 from ..generate import OutputGrammar, Request, SamplingParams, ToolChoice, ToolSchema
 from ..vision import ImagePrompts
 
@@ -214,8 +215,8 @@ class RequestImages(ImagePrompts):
 class Prompt:
     """A rendered chat prompt: its ids, and where the scheduler should also store its state
     (``Request.snapshot_at``): the conversation's end when notes for this turn follow it (the
-    tool-choice message), and the start of each tool result of this turn (where a compacted
-    history first differs)."""
+    tool-choice message), and the start of each document's message of this turn (where a
+    compacted history first differs)."""
 
     ids: list[int]
     marks: tuple[int, ...] = ()
@@ -242,8 +243,9 @@ def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | N
     The tool-choice message (``required`` / ``none``) follows the conversation and the next turn
     does not repeat it, so this turn's prompt is no prefix of the next one: a mark at the
     conversation's end lets the scheduler store a snapshot there for the next turn to resume
-    from. The tool results after the last assistant message are marked where they start: a
-    compaction that replaces one (`k31jax.chat.compact_history`) keeps the history before it.
+    from. The documents after the last assistant message (tool results, user messages with a
+    part marked by a ``document_id``) are marked where their message starts: a compaction that
+    replaces one (`k31jax.chat.compact_history`) keeps the history before it.
     """
     recorded = _Recorded(images) if images is not None else None
     kw = dict(thinking=thinking, thinking_effort=effort if thinking else None, response_format=response_format)
@@ -258,12 +260,11 @@ def render_prompt(tokenizer, messages, tools, *, thinking: bool, effort: str | N
     try:
         ids = apply_chat_template(tokenizer, messages, tools or None, tool_choice=tool_choice,
                                   media_prompt=recorded, **kw)
-        last_assistant = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-        starts = [k for k, m in enumerate(messages) if m.get("role") == "tool"
-                  and last_assistant is not None and k > last_assistant]
+        last_assistant = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        starts = [k for k in document_messages(messages) if k > last_assistant]
         ends = [len(messages)] if tool_choice in ("required", "none") else []
         marks = tuple(n for n in (head_length(k) for k in [*starts, *ends]) if n is not None)
-    except ChatTemplateError as e:
+    except (ChatTemplateError, ValueError) as e:  # (a bad document mark is a ValueError)
         raise invalid(str(e), "messages") from None
     except (TypeError, AttributeError, KeyError) as e:
         raise invalid(f"messages could not be rendered: {e}", "messages") from None

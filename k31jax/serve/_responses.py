@@ -23,11 +23,13 @@ the scheduler's prefix cache then resumes the whole history. ``GET /v1/responses
 stored response.
 
 Compaction (``POST /v1/responses/{id}/compact``, this server's extension; ``compact``): a stored
-conversation with tool results replaced by stubs (``k31jax.chat.compact_history``: named by
-``documents`` (call ids), all but the last ``keep_last`` (default 1), or the oldest first until
-it fits ``max_input_tokens``), stored as a new response to continue from. Every call stays in
-the history, and the history up to the first replaced result renders as before, so the next
-turn resumes from the state stored at the end of the turn before it.
+conversation with documents replaced by stubs (``k31jax.chat.compact_history``): tool results,
+and ``input_text`` parts of user messages the client marked with a ``document_id``; named by
+``documents`` (call ids, document ids), all but the last ``keep_last`` (default 1), or the
+oldest first until it fits ``max_input_tokens``; ``stub`` / ``document_stub`` say what replaces
+them. The result is stored as a new response to continue from. Every call stays in the history,
+and the history up to the first replaced document renders as before, so the next turn resumes
+from the state stored where the message holding that document began.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..chat import DEFAULT_STUB, ParsedMessage, apply_chat_template, compact_history
+from ..chat import DEFAULT_DOCUMENT_STUB, DEFAULT_STUB, ParsedMessage, apply_chat_template, compact_history
 from . import _openai as oai
 from ._protocol import APIError, GenSpec, get, invalid
 
@@ -89,7 +91,8 @@ def _text_of(content: Any, where: str, images: list | None = None) -> str | list
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in ("input_text", "output_text", "text"):
             text = get(part, "text", str, required=True, where=f"{where}.content[{k}].")
-            parts.append({"type": "text", "text": text})
+            document = get(part, "document_id", str, where=f"{where}.content[{k}].")
+            parts.append({"type": "text", "text": text} | ({"document_id": document} if document is not None else {}))
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
@@ -99,7 +102,7 @@ def _text_of(content: Any, where: str, images: list | None = None) -> str | list
         else:
             raise invalid(f"{where}.content[{k}].type must be input_text, output_text or input_image; got {kind!r}",
                           f"{where}.content[{k}].type")
-    if all(p["type"] == "text" for p in parts):
+    if all(p["type"] == "text" and "document_id" not in p for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
 
@@ -306,12 +309,17 @@ def compact(store: ResponseStore, rid: str, body: Mapping[str, Any], tokenizer, 
     if documents is None and keep_last is None and max_tokens is None:
         keep_last = 1
     stub = get(body, "stub", str, DEFAULT_STUB)
+    document_stub = get(body, "document_stub", str, DEFAULT_DOCUMENT_STUB)
+    for name, text in (("stub", stub), ("document_stub", document_stub)):
+        try:
+            text.format(name="", tokens=0, call_id="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise invalid(f"field '{name}' does not format ({e!r}): only {{name}}, {{tokens}} and {{call_id}} "
+                          "are known", name) from None
     field = "documents" if documents is not None else "keep_last" if keep_last is not None else "max_input_tokens"
     try:
         compacted, done = compact_history(conversation, tokenizer, documents=documents, keep_last=keep_last,
-                                          max_tokens=max_tokens, stub=stub)
-    except KeyError as e:
-        raise invalid(f"field 'stub' uses {e}: only {{name}}, {{tokens}} and {{call_id}} are known", "stub") from None
+                                          max_tokens=max_tokens, stub=stub, document_stub=document_stub)
     except ValueError as e:
         raise invalid(str(e), field) from None
     size = lambda conv: len(apply_chat_template(tokenizer, conv, add_generation_prompt=False))  # noqa: E731

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from k31jax.chat import ByteTokenizer, apply_chat_template, compact_history
+from k31jax.chat import ByteTokenizer, apply_chat_template, compact_history, document_messages
 
 TOK = ByteTokenizer()
 
@@ -61,3 +61,51 @@ def test_documents_by_call_id_and_a_token_budget_oldest_first():
 def test_bad_choices_say_what_is_wrong(kw, match):
     with pytest.raises(ValueError, match=match):
         compact_history(_history(), TOK, **kw)
+
+
+def _with_documents() -> list[dict]:
+    """A user pastes a spec (a marked document) beside a question; a tool result follows."""
+    msgs = [{"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": [{"type": "text", "text": "Implement this spec:\n"},
+                                         {"type": "text", "text": "SPEC " + "must hold; " * 60, "document_id": "spec"},
+                                         {"type": "text", "text": "\nStart with the parser."}]}]
+    msgs.append({"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+                 "function": {"name": "read_file", "arguments": '{"path": "p.py"}'}}]})
+    msgs.append({"role": "tool", "tool_call_id": "call_0", "content": "def parse():\n" + "    pass\n" * 30})
+    msgs.append({"role": "assistant", "content": "Read it."})
+    return msgs
+
+
+def test_user_documents_marked_by_id_are_compacted_like_tool_results():
+    history = _with_documents()
+    before = copy.deepcopy(history)
+    assert document_messages(history) == [1, 3]  # where a server stores the state
+    out, done = compact_history(history, TOK, documents=["spec"])
+    assert history == before and done == ["spec"]
+    parts = out[1]["content"]
+    assert parts[0] == history[1]["content"][0] and parts[2] == history[1]["content"][2]  # the question stays
+    tokens = len(TOK.encode(history[1]["content"][1]["text"]))
+    assert parts[1] == {"type": "text", "text": f"[document spec compacted: {tokens} tokens; send it again if it "
+                                                "is needed]"}  # the mark goes: compacting again leaves it
+    assert out[3] == history[3] and out[2] == history[2]
+    head = _tokens(history[:1])  # the history before the document's message renders as before
+    assert _tokens(out)[:len(head)] == _tokens(history)[:len(head)] and len(_tokens(out)) < len(_tokens(history))
+    # keep_last and a budget count both kinds, oldest first
+    out, done = compact_history(history, TOK, keep_last=1, document_stub="<{name}: {tokens}>")
+    assert done == ["spec"] and out[1]["content"][1]["text"] == f"<spec: {tokens}>" and out[3] == history[3]
+    assert compact_history(history, TOK, keep_last=0)[1] == ["spec", "call_0"]
+    again, done = compact_history(compact_history(history, TOK, keep_last=0)[0], TOK, keep_last=0)
+    assert done == ["call_0"]  # the compacted document is no document any more
+
+
+@pytest.mark.parametrize("part, match", [
+    ({"type": "text", "text": "x", "document_id": ""}, "non-empty string"),
+    ({"type": "text", "text": "x", "document_id": 7}, "non-empty string"),
+    ({"type": "image_url", "image_url": {"url": "data:,"}, "document_id": "img"}, "on a 'image_url' part"),
+    ({"type": "text", "text": "x", "document_id": "call_0"}, r"\['call_0'\] are used twice"),
+])
+def test_bad_document_marks_name_the_part(part, match):
+    history = _with_documents()
+    history.append({"role": "user", "content": [part]})
+    with pytest.raises(ValueError, match=match):
+        compact_history(history, TOK, keep_last=0)

@@ -92,8 +92,9 @@ def test_rendered_calls_with_random_valid_arguments_are_accepted(compiler, seed)
         jsonschema.validate(args, schema)  # the generator's own check
         calls.append((name, args))
     thinking = seed % 2 == 0
-    prompt, ids = reply_ids(tools, calls, thinking=thinking, content="" if seed % 3 else "Calling.")
-    assert accepts(compiler, OutputGrammar(strict(tools), "required"), prompt, ids)
+    content = "" if seed % 3 else "Calling."
+    prompt, ids = reply_ids(tools, calls, thinking=thinking, content=content)
+    assert accepts(compiler, OutputGrammar(strict(tools), "required"), prompt, ids) == (not content)  # the call alone
     assert accepts(compiler, OutputGrammar(strict(tools), "auto"), prompt, ids)
     assert accepts(compiler, OutputGrammar(strict(tools), "auto", parallel=False), prompt, ids) == (len(calls) == 1)
     assert not accepts(compiler, OutputGrammar(strict(tools), "none"), prompt, ids)

@@ -6,6 +6,7 @@ streamed and not): every call and every JSON reply validates."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -13,7 +14,8 @@ import pytest
 
 from helpers.benchmarks import load_benchmark
 from k31jax.chat import apply_chat_template
-from k31jax.generate import Engine, OutputGrammar, Request, SamplingParams, Scheduler, ToolSchema, load_model
+from k31jax.generate import (Engine, OutputGrammar, Request, SamplingParams, Scheduler, ToolChoice, ToolSchema,
+                             load_model)
 from k31jax.generate._grammar import closing_reserve, reply_room
 
 pytest.importorskip("openai")
@@ -53,6 +55,36 @@ def test_greedy_constrained_equals_plain_while_the_grammar_allows_it(scheduler):
         "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")  # closed, well-formed
     assert scheduler.stats["grammar_requests"] == 1 and scheduler.stats["grammar_broken"] == 0
     assert len(scheduler.grammar_seconds) > 0
+
+
+@pytest.mark.parametrize("mode", ["required", "named"])
+def test_the_grammar_alone_holds_a_forced_choice_on_a_tight_budget(scheduler, mode, monkeypatch):
+    """tool_choice required / named with a grammar: no forcer runs beside it (only the room check
+    at submit builds one). The reply starts in the reasoning, which this model never closes by
+    itself, with a budget shorter than the grammar's closing reserve: closing takes the way into
+    the call at once and writes valid arguments, the turn ended within the budget."""
+    from k31jax.generate import _scheduler
+
+    built = []
+    real = _scheduler.ToolChoiceForcer
+    monkeypatch.setattr(_scheduler, "ToolChoiceForcer", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    tok = scheduler.tokenizer
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": SCHEMA}}]
+    prompt = apply_chat_template(tok, [{"role": "user", "content": "import os\n\ndef main():"}], tools,
+                                 thinking=True, thinking_effort="max", tool_choice="required")
+    grammar = OutputGrammar((ToolSchema("read_file", json.dumps(SCHEMA), True),), "auto")  # given the choice
+    n = 90  # (the room check asks for 77 here; closing keeps 98)
+    assert n < closing_reserve(10**6, reply_room(tok, dataclasses.replace(grammar, tool_choice=mode, name="read_file"),
+                                                 every=True))
+    h = scheduler.submit(Request(prompt, SamplingParams(temperature=0.0), n, parse=True, markup="ids",
+                                 grammar=grammar), tool_choice=ToolChoice(mode, ("read_file",), "read_file"))
+    scheduler._run_until_idle()
+    done = h.result().completion
+    assert len(built) == 1  # the room check's, none beside the grammar
+    (call,) = done.parsed.tool_calls  # one forced call ends the turn
+    assert call.name == "read_file" and bench.schema_error(SCHEMA, json.loads(call.arguments)) is None
+    assert len(done.tokens) <= n and tok.decode(done.tokens).endswith("<|end_of_msg|>")
+    assert done.finish_reason in ("stop", "tool_calls")
 
 
 @pytest.fixture(scope="module")

@@ -344,8 +344,9 @@ def test_responses_api_with_tools_reasoning_and_previous_response_id(oai):
     tools = [{"type": "function", "name": "get_weather",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                              "additionalProperties": False}}]
-    # (a byte tokenizer: the call's markup alone is ~90 tokens, and the grammar closes what is
-    # open in a reply's last 64 + 2 x 90 tokens; the reasoning gets the 8 of its budget first)
+    # (a byte tokenizer: the call's markup alone is ~90 tokens, and for a required call the
+    # grammar closes what is open in a reply's last ~185 tokens: its arguments, and the markup
+    # beyond the 64 kept for it; the reasoning gets the 8 of its budget first)
     first = oai.responses.create(model=MODEL, input="Weather in Oslo?", tools=tools, tool_choice="required",
                                  max_output_tokens=200, extra_body={"thinking_budget": 8})
     kinds = [item.type for item in first.output]
@@ -423,6 +424,28 @@ def test_compaction_keeps_every_call_and_the_cached_history_before_it(server, oa
     bad = httpx.post(f"{server}/v1/responses/{second.id}/compact", json={"documents": ["call_x"]},
                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+
+
+def test_compacting_a_marked_document_resumes_the_history_before_its_message(server, oai):
+    """Reference text a user marked (`input_text` with a `document_id`) is compacted like a tool
+    result: the next turn resumes exactly the history before the message that brought it (the
+    state stored where that message began while its turn was prefilled)."""
+    kw = dict(model=MODEL, reasoning={"effort": "none"}, max_output_tokens=4)
+    system = {"role": "system", "content": "You review specifications and answer in one word."}
+    spec = {"type": "input_text", "text": "SPEC " + "every rule must hold; " * 30, "document_id": "spec"}
+    first = oai.responses.create(input=[system, {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Review this:"}, spec]}], **kw)
+    r = httpx.post(f"{server}/v1/responses/{first.id}/compact", json={"documents": ["spec"]},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    info = r.json()["compaction"]
+    assert info["documents"] == ["spec"] and info["tokens_after"] < info["tokens_before"] - 400
+    nxt = oai.responses.create(previous_response_id=r.json()["id"], input="Verdict?", **kw)
+    head = apply_chat_template(ByteTokenizer(), [system], thinking=False, add_generation_prompt=False)
+    assert nxt.usage.input_tokens_details.cached_tokens == len(head)
+    bad = httpx.post(f"{server}/v1/responses/{first.id}/compact", json={"keep_last": 0, "document_stub": "{x}"},
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "document_stub"
 
 
 def test_access_log_then_a_quiet_restart_on_the_warm_compile_cache(server, started, tmp_path):

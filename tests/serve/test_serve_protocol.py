@@ -209,6 +209,25 @@ def test_new_tool_results_are_marked_where_they_start():
     assert _chat(messages=msgs + [{"role": "user", "content": "so?"}], tools=TOOLS).request.snapshot_at == starts
 
 
+def test_documents_marked_in_a_user_message_are_marked_where_it_starts():
+    """A user message holding a part with a `document_id` (chat, or a Responses `input_text`
+    part) is marked where it starts, in the turn that brings it; a bad mark is a 400."""
+    from k31jax.serve import _responses as rsp
+
+    spec = [{"type": "text", "text": "Read this:"}, {"type": "text", "text": "SPEC " * 40, "document_id": "spec"}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": spec}]
+    start = len(apply_chat_template(TOK, msgs[:1], thinking=True, thinking_effort="max", add_generation_prompt=False))
+    assert _chat(messages=msgs).request.snapshot_at == (start,)
+    later = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "so?"}]
+    assert _chat(messages=later).request.snapshot_at == ()  # only this turn's documents are marked
+    items = [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Read this:"}, {"type": "input_text", "text": "SPEC", "document_id": "spec"}]}]
+    assert rsp.input_messages(items) == [{"role": "user", "content": [
+        {"type": "text", "text": "Read this:"}, {"type": "text", "text": "SPEC", "document_id": "spec"}]}]
+    bad = [{"role": "user", "content": [{"type": "text", "text": "x", "document_id": 3}]}]
+    assert "non-empty string" in _refused(lambda: _chat(messages=bad), "messages").message
+
+
 # ---- the app on a scripted scheduler --------------------------------------------------------
 class ScriptedScheduler:
     """What `create_app` uses of a `Scheduler`; each request gets `steps` (lists of parser
