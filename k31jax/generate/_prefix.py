@@ -62,8 +62,8 @@ class _Node:
         self.state: dict[str, np.ndarray] | None = None
 
 
-def _rows_nbytes(rows: dict[str, np.ndarray]) -> int:
-    return sum(a.nbytes for a in rows.values())
+def _nbytes(arrays: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in arrays.values())
 
 
 class PrefixCache:
@@ -140,20 +140,20 @@ class PrefixCache:
             leaf = _Node(node, key[depth:], {n: np.ascontiguousarray(a[:, depth:]) for n, a in mla.items()},
                          len(key))
             node.children[key[depth]] = leaf
-            self.bytes += _rows_nbytes(leaf.rows) + 8 * len(leaf.edge)
+            self.bytes += _nbytes(leaf.rows) + 8 * len(leaf.edge)
             node = leaf
         return node
 
     def _remove(self, node: _Node) -> None:
         """Drop `node`'s state; prune the branch it leaves without a state below it, and merge a
         stateless node with a single child into that child."""
-        self.bytes -= sum(a.nbytes for a in node.state.values())
+        self.bytes -= _nbytes(node.state)
         node.state = None
         while node is not self._root and node.state is None and len(node.children) <= 1:
             parent = node.parent
             if not node.children:
                 del parent.children[node.edge[0]]
-                self.bytes -= _rows_nbytes(node.rows) + 8 * len(node.edge)
+                self.bytes -= _nbytes(node.rows) + 8 * len(node.edge)
             else:
                 (child,) = node.children.values()
                 child.edge = node.edge + child.edge
@@ -162,22 +162,22 @@ class PrefixCache:
                 parent.children[child.edge[0]] = child
             node = parent
 
-    def _sequence(self, node: _Node) -> tuple:
-        parts = []
+    def _path(self, node: _Node) -> list[_Node]:
+        """The nodes from below the root down to `node`."""
+        path = []
         while node is not self._root:
-            parts.append(node.edge)
+            path.append(node)
             node = node.parent
-        return tuple(t for part in reversed(parts) for t in part)
+        return path[::-1]
+
+    def _sequence(self, node: _Node) -> tuple:
+        return tuple(t for e in self._path(node) for t in e.edge)
 
     def _snapshot(self, node: _Node) -> Snapshot:
         """`node`'s sequence as a `Snapshot`: its state and the rows of every edge above it."""
-        edges = []
-        while node is not self._root:
-            edges.append(node)
-            node = node.parent
-        edges.reverse()
-        arrays = dict(edges[-1].state)
-        for name in edges[-1].rows:
+        edges = self._path(node)
+        arrays = dict(node.state)
+        for name in node.rows:
             arrays[name] = np.concatenate([e.rows[name] for e in edges], axis=1)
         return Snapshot(tuple(t for e in edges for t in e.edge), arrays)
 
@@ -193,9 +193,9 @@ class PrefixCache:
         with self._lock:
             node = self._insert(key, mla)
             if node.state is not None:
-                self.bytes -= sum(a.nbytes for a in node.state.values())
+                self.bytes -= _nbytes(node.state)
             node.state = state
-            self.bytes += sum(a.nbytes for a in state.values())
+            self.bytes += _nbytes(state)
             self._stored[id(node)] = node
             self._stored.move_to_end(id(node))
             while self.bytes > self.max_bytes:
