@@ -38,7 +38,14 @@ CASES = {
     # (one row per data-parallel device)
     "train-qat": ("train", "v5p:8x8x8", "fsdp=8,expert=8,tensor=8", 1, 4096, 1),
     "train-qat-64x1024": ("train", "v5p:8x8x8", "fsdp=8,expert=8,tensor=8", 64, 1024, 1),
+    # LoRA on the frozen packed base (issue #31): rank-16 adapters on attention and the shared
+    # experts, the routed experts packed MXFP4 and frozen, on the inference slice; and with
+    # adapters beside the routed experts too
+    "train-lora": ("train", "v5p:4x4x4", "expert=8,tensor=8", 1, 4096, 1),
+    "train-lora-experts": ("train", "v5p:4x4x4", "expert=8,tensor=8", 1, 4096, 1),
 }
+# TrainSettings beyond the master dtype and context, per train case
+TRAIN_OPTIONS = {"train-lora": dict(lora_rank=16), "train-lora-experts": dict(lora_rank=16, lora_experts=True)}
 
 
 def layer_experts_bf16(cfg: ModelConfig, expert_shards: int, tensor: int) -> int:
@@ -89,7 +96,7 @@ def main() -> None:
              "times do (see the load above)"]
     for name in args.case or CASES:
         step, topology, mesh, batch, context, chunk = CASES[name]
-        train = aot.TrainSettings(master_dtype="bfloat16", seq_len=context)
+        train = aot.TrainSettings(master_dtype="bfloat16", seq_len=context, **TRAIN_OPTIONS.get(name, {}))
         try:
             r = aot.compile_program(cfg, topology, mesh, step=step, batch=batch, context=context, chunk=chunk,
                                     train=train, draft=chunk)

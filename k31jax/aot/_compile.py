@@ -312,6 +312,7 @@ class TrainSettings:
 
     qat: bool = True
     lora_rank: int = 0
+    lora_experts: bool = False
     remat: str = "full"
     optimizer: str = "adamw"
     trainable: str = "experts"
@@ -450,7 +451,8 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
                    slices: int):
     optim = OptimConfig(optimizer=t.optimizer, trainable=t.trainable)
     jitted, args = abstract_train_step(cfg, mesh, rules, optim=optim, qat=t.qat, master_dtype=t.master_dtype,
-                                       remat=t.remat, lora_rank=t.lora_rank, micro_batch=batch,
+                                       remat=t.remat, lora_rank=t.lora_rank, lora_experts=t.lora_experts,
+                                       micro_batch=batch,
                                        grad_accum=t.grad_accum, seq_len=t.seq_len, backends=backends)
     formats = {}
 

@@ -42,7 +42,9 @@ def register(sub) -> None:
                         "on TPU hardware)")
     t = p.add_argument_group("--step train (the flags of k31jax train)")
     t.add_argument("--qat", action=argparse.BooleanOptionalAction, default=True, help="MXFP4 fake-quant of the experts")
-    t.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: train --trainable)")
+    t.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: train --trainable); "
+                   "the routed experts stay packed MXFP4")
+    t.add_argument("--lora-experts", action="store_true", help="with --lora-rank: adapters beside the routed experts too")
     t.add_argument("--remat", default="full", choices=["full", "dots", "none"])
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
     t.add_argument("--trainable", default="experts", help="trained subset (experts, all, indexer, no_embed)")
@@ -72,7 +74,8 @@ def _run(args) -> int:
     if not backends_started():  # compile on the host's CPU; never try to drive a TPU
         jax.config.update("jax_platforms", "cpu")
     try:
-        train = aot.TrainSettings(qat=args.qat, lora_rank=args.lora_rank, remat=args.remat, optimizer=args.optimizer,
+        train = aot.TrainSettings(qat=args.qat, lora_rank=args.lora_rank, lora_experts=args.lora_experts,
+                                  remat=args.remat, optimizer=args.optimizer,
                                   trainable=args.trainable, master_dtype=args.master_dtype, seq_len=args.seq_len,
                                   grad_accum=args.grad_accum)
         report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,

@@ -109,7 +109,7 @@ def _engine(args, vision: bool | None = False):
     enable_compile_cache()
     loaded = load_generation_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
                                    tokenizer=args.tokenizer, vision=vision,
-                                   expert_activations="mxfp8" if args.mxfp8_activations else None)
+                                   expert_activations="mxfp8" if args.mxfp8_activations else None, lora=args.lora)
     if loaded.banner:
         print(f"[k31jax] {loaded.banner}", file=sys.stderr)
     if loaded.vision_banner:
@@ -445,6 +445,9 @@ def _common(p, *, max_new_tokens: int) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="folder with tiktoken.model (default: the --ckpt folder)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype (Orbax default: bfloat16)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a LoRA adapter folder (a LoRA run's final/adapter) applied to the model: merged into its "
+                        "float weights, beside its packed routed experts")
     p.add_argument("--mxfp8-activations", action="store_true", help="round the routed experts' GEMM inputs to MXFP8 (E4M3, one scale per 32; K3.1's deployment: MXFP4 "
                         "weights, MXFP8 activations), as QAT's fake-quant does")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",

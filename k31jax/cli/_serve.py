@@ -46,6 +46,9 @@ def register(sub) -> None:
                      help=f"preset with seeded random weights instead of the embedded default model ({DEFAULT_MODEL})")
     p.add_argument("--tokenizer", default=None, help="folder with tiktoken.model (default: the checkpoint's)")
     p.add_argument("--dtype", default=None, help="parameter/activation dtype")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a LoRA adapter folder (a LoRA run's final/adapter) applied to the model: merged into its "
+                        "float weights, beside its packed routed experts")
     p.add_argument("--mxfp8-activations", action="store_true", help="round the routed experts' GEMM inputs to MXFP8 (E4M3, one scale per 32; K3.1's deployment: MXFP4 "
                         "weights, MXFP8 activations), as QAT's fake-quant does")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (no --ckpt)")
@@ -133,7 +136,7 @@ def _run(args) -> int:
                              "process's devices")
         loaded = load_generation_model(args.ckpt, config=args.config, seed=args.seed, dtype=args.dtype,
                                        tokenizer=args.tokenizer, vision=True if args.vision else None,
-                                       expert_activations="mxfp8" if args.mxfp8_activations else None)
+                                       expert_activations="mxfp8" if args.mxfp8_activations else None, lora=args.lora)
         if loaded.banner:
             print(f"[k31jax] {loaded.banner}", file=sys.stderr)
         if loaded.vision_banner:

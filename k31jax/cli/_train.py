@@ -83,6 +83,7 @@ def _config_from_args(args) -> TrainConfig:
                        mxfp8_activations=args.mxfp8_activations, grad_accum=args.grad_accum, remat=args.remat,
                        vocab_chunk=args.vocab_chunk, z_loss=args.z_loss, bias_update_rate=args.bias_update_rate,
                        balance_loss=args.balance_loss, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                       lora_experts=args.lora_experts,
                        save_every=args.save_every, keep=args.keep, log_every=args.log_every,
                        eval_every=args.eval_every, eval_batches=args.eval_batches, mesh=args.mesh,
                        rules=args.rules, seed=args.seed, distill_indexer=args.distill_indexer,
@@ -273,6 +274,9 @@ def register(sub) -> None:
                         "trains dense attention, the first stage before --distill-indexer")
     t.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters only")
     t.add_argument("--lora-alpha", type=float, default=16.0)
+    t.add_argument("--lora-experts", action="store_true",
+                   help="with --lora-rank: adapters on the routed experts too (beside packed MXFP4 experts, "
+                        "whose bytes stay as they are)")
     t.add_argument("--remat", default="none", choices=REMAT_POLICIES)
     t.add_argument("--vocab-chunk", type=int, default=4096)
     t.add_argument("--z-loss", type=float, default=0.0)

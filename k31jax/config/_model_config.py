@@ -146,6 +146,10 @@ class ModelConfig:
     # QAT: float master expert weights, fake-quantised to MXFP4 (floor rule, straight-through
     # gradient) in the forward pass. Requires expert_weights="bf16".
     expert_qat: bool = False
+    # LoRA on packed routed experts (k31jax's, no release field): rank > 0 gives every packed
+    # expert weight low-rank factors applied beside it, unmerged (`W x + a (b x)`), so the
+    # packed bytes stay as shipped. Requires expert_weights="mxfp4" (float experts merge).
+    expert_adapter_rank: int = 0
     # The vision tower and projector (None: a text-only checkpoint).
     vision: VisionConfig | None = None
 
@@ -264,6 +268,9 @@ class ModelConfig:
             fail("expert_activations", f"{self.expert_activations!r}, expected 'bf16' or 'mxfp8'")
         if self.expert_qat and self.expert_weights != "bf16":
             fail("expert_qat", "QAT trains float master weights: set expert_weights='bf16'")
+        if self.expert_adapter_rank and self.expert_weights != "mxfp4":
+            fail("expert_adapter_rank", f"{self.expert_adapter_rank}: adapters beside the experts are for packed "
+                 "MXFP4 experts (expert_weights='mxfp4'); LoRA merges into float experts")
         if self.expert_weights == "mxfp4" and self.moe_layers and (
                 self.moe_intermediate_size % 32 or self.expert_in_dim % 32):
             fail("expert_weights", f"mxfp4 needs expert widths divisible by 32, got "

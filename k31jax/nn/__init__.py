@@ -5,7 +5,7 @@ cache pytree, and counts computed on the abstract model (`abstract_model`: nothi
 eagerly under an active mesh): the modules here and the vision tower build with them."""
 
 from ._cache import CACHE_AXES, Cache, KDALayerCache, KDATrail, MLALayerCache, constrain_cache, init_cache, kpe_width
-from ._experts_format import dequantize_experts, quantize_experts
+from ._experts_format import dequantize_experts, merge_expert_adapters, quantize_experts, with_expert_adapters
 from ._ffn import DenseMLP, LatentMoE, MoEOutput, PackedExperts, Routing
 from ._kda_layer import KDAMixer
 from ._layer_stack import (LAYER_STACKS, OUT_MAJOR_PROJECTIONS, REMAT_POLICIES, ROUTED_EXPERTS, expert_words,
@@ -21,5 +21,6 @@ __all__ = [
     "K31ForCausalLM", "KDALayerCache", "KDAMixer", "KDATrail", "LatentMoE", "LayerNorms", "MLALayerCache", "MLAMixer",
     "ModelOutput", "MoEOutput", "PackedExperts", "ParamCount", "Routing", "abstract_model", "constant",
     "constrain_cache", "count_params", "dequantize_experts", "expert_words", "init_cache", "kpe_width", "normal",
-    "out_major_projections", "param", "quantize_experts", "reconfigure", "unstack_layers",
+    "merge_expert_adapters", "out_major_projections", "param", "quantize_experts", "reconfigure", "unstack_layers",
+    "with_expert_adapters",
 ]

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..config import ModelConfig
-from ..ops import (Backends, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
+from ..ops import (Backends, ExpertAdapter, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
                    router_scores)
 from ..quant import mxfp4_quantize_packed, mxfp4_weight
 from ._param import constant, normal, param
@@ -18,15 +18,30 @@ from ._param import constant, normal, param
 
 class PackedExperts(nnx.Module):
     """Stacked MXFP4 expert weights `[E, out, in]`, held packed: `packed` uint8
-    `[E, out, in/2]` (low nibble = even element) and `scale` uint8 E8M0 `[E, out, in/32]`."""
+    `[E, out, in/2]` (low nibble = even element) and `scale` uint8 E8M0 `[E, out, in/32]`.
 
-    def __init__(self, packed, scale, axes):
+    `adapter_rank` > 0 adds LoRA factors beside them (`ExpertAdapter`: `adapter_a` fp32
+    `[E, out, r]`, `adapter_b` `[E, r, in]`, zero here; `k31jax.train` fills them), applied
+    unmerged so the packed bytes stay as they are."""
+
+    def __init__(self, packed, scale, axes, adapter_rank: int = 0):
         self.packed = param(packed, axes)
         self.scale = param(scale, axes)
+        if adapter_rank:
+            e, out, half = packed.shape
+            self.adapter_a = param(jnp.zeros((e, out, adapter_rank), jnp.float32), (axes[0], axes[1], None))
+            self.adapter_b = param(jnp.zeros((e, adapter_rank, 2 * half), jnp.float32), (axes[0], None, axes[2]))
 
     def weight(self, row=None) -> MXFP4Weight:
         """The weight; with `row`, `packed` / `scale` hold a whole layer stack and this is its row."""
         return mxfp4_weight(self.packed[...], self.scale[...], row)
+
+    def adapter(self, row=None) -> ExpertAdapter | None:
+        """The LoRA factors (None without them); `row` as in `weight`."""
+        if not hasattr(self, "adapter_a"):
+            return None
+        a, b = self.adapter_a[...], self.adapter_b[...]
+        return ExpertAdapter(a, b) if row is None else ExpertAdapter(a[row], b[row])
 
 
 def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
@@ -35,7 +50,7 @@ def _expert_weight(rngs, shape, cfg: ModelConfig, axes):
     if cfg.expert_weights == "bf16":
         return param(w[...].astype(jnp.dtype(cfg.dtype)), axes)
     packed, scale = mxfp4_quantize_packed(w[...])
-    return PackedExperts(packed, scale, axes)
+    return PackedExperts(packed, scale, axes, cfg.expert_adapter_rank)
 
 
 def _weight_value(w, row=None):
@@ -144,12 +159,15 @@ class LatentMoE(nnx.Module):
                       beta_up=c.activation_situ_linear_beta,
                       weight_fake_quant=c.expert_qat, activation_fake_quant=c.expert_activations == "mxfp8")
         ws = tuple(_weight_value(w, expert_row) for w in (self.w_gate, self.w_up, self.w_down))
+        adapters = (tuple(w.adapter(expert_row) for w in (self.w_gate, self.w_up, self.w_down))
+                    if c.expert_adapter_rank else None)
         plan = _ep_plan(backends.ep, b * t, ws)
         if plan is None:
-            u = routed_experts(u_in, idx, weights, *ws, form=backends.moe, kernels=backends.kernels, **kwargs)
+            u = routed_experts(u_in, idx, weights, *ws, form=backends.moe, kernels=backends.kernels,
+                               adapters=adapters, **kwargs)
         else:
             u = ep_routed_experts(u_in, idx, weights, *ws, plan=plan, local=backends.moe, kernels=backends.kernels,
-                                  **kwargs)
+                                  adapters=adapters, **kwargs)
         u = u.astype(x.dtype)
         if c.latent_moe:
             if c.latent_moe_use_norm:

@@ -17,7 +17,7 @@ from ._indexer import indexer_keys, indexer_queries, indexer_scores, select_topk
 from ._kda import kda_chunked, kda_gate, kda_mask_padding, kda_recurrent, short_conv, softplus_thresholded
 from ._mla import absorb_query, mla_attention, mla_attention_absorbed, mla_attention_logits, mla_attention_sparse
 from ._moe import (MXFP4Weight, blocked_rows, combine, expert_window, grouped_matmul, grouped_matmul_blocked,
-                   materialize, permute, routed_experts, visit_selected_experts)
+                   ExpertAdapter, materialize, permute, routed_experts, visit_selected_experts)
 from ._moe_ep import EXCHANGES, EPPlan, ep_routed_experts, exchange_rounds, make_ep_plan, ragged_exchange
 from ._norms import l2_normalize, layer_norm, rms_norm
 from ._router import route, router_scores
@@ -30,6 +30,6 @@ __all__ = [
     "indexer_keys", "indexer_queries", "indexer_scores", "kda_chunked", "kda_gate",
     "kda_mask_padding", "kda_recurrent", "l2_normalize", "layer_norm", "mla_attention",
     "mla_attention_absorbed", "mla_attention_logits", "mla_attention_sparse", "materialize", "permute", "rms_norm", "route",
-    "routed_experts", "router_scores", "select_topk", "selection_mask", "short_conv", "situ_glu",
+    "ExpertAdapter", "routed_experts", "router_scores", "select_topk", "selection_mask", "short_conv", "situ_glu",
     "softplus_thresholded", "swiglu", "expert_window", "visit_selected_experts",
 ]

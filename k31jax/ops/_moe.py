@@ -9,6 +9,7 @@ jitted graph right before its matmul, so the packed bytes are what lives in memo
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,16 @@ from ._impl import MOE_FORMS, ImplChoice, MoeForm, kernel_or_reference, resolve_
 
 
 ExpertWeight = Array | MXFP4Weight
+
+
+class ExpertAdapter(NamedTuple):
+    """Low-rank factors beside one stacked expert weight `[E, out, in]` (LoRA on packed
+    experts, left unmerged): `W_e x + a_e (b_e x)` with `a [E, out, r]` (its LoRA scale
+    folded in) and `b [E, r, in]`, float. Both are `[E, out', in']` weights themselves, so the
+    grouped forms run them as two more grouped matmuls of width r."""
+
+    a: Array
+    b: Array
 
 
 def materialize(w: ExpertWeight, dtype, fake_quant: bool = False) -> Array:
@@ -219,6 +230,7 @@ def routed_experts(
     kernels: ImplChoice | None = None,
     weight_fake_quant: bool = False,
     activation_fake_quant: bool = False,
+    adapters: tuple[ExpertAdapter | None, ExpertAdapter | None, ExpertAdapter | None] | None = None,
 ) -> Float[Array, "N d"]:
     """`Σ_k p_k · w_down_e(act(w_gate_e x, w_up_e x))` over each token's chosen experts (fp32).
 
@@ -243,21 +255,31 @@ def routed_experts(
     platforms; for float experts with fewer assignments than experts, "gather"
     (chosen at lowering, `lax.platform_dependent`, so a TPU program compiled on a CPU host gets
     it); else "blocked" on CPU and "ragged" elsewhere. The named forms are XLA paths.
+
+    adapters (gate, up, down; each None or an `ExpertAdapter`): LoRA factors added beside the
+    weights, in the same form as the weights' own products ("ragged", "blocked", "gather";
+    "auto" takes the gather form where it would visit the selected experts, and no kernel).
     """
     if form not in MOE_FORMS:
         raise ValueError(f"routed_experts form={form!r}: expected one of {MOE_FORMS}")
+    adapters = adapters if adapters is not None and any(a is not None for a in adapters) else None
+    if adapters is not None and form == "selected":
+        raise ValueError("routed_experts form='selected' has no expert adapters: use 'gather' or 'ragged'")
     n, k = idx.shape
     options = dict(hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up, kernels=kernels,
-                   weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant)
+                   weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant,
+                   adapters=adapters)
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
     kernel = "xla"  # the grouped matmuls' implementation: a kernel for packed experts under "auto" only
     if form == "auto":
-        if packed:
+        if packed and adapters is None:
             kernel = resolve_impl(kernels, "mxfp4_gmm")
         if kernel != "xla":
             form = "ragged"  # the ragged form's sort, the kernel's grouped matmul
         elif packed and n * k < FEW_ASSIGNMENTS_PER_EXPERT * num_experts:
+            if adapters is not None:
+                return routed_experts(x, idx, weights, w_gate, w_up, w_down, form="gather", **options)
             return jax.lax.platform_dependent(
                 x, idx, weights, w_gate, w_up, w_down,
                 cpu=functools.partial(routed_experts, form="gather", **options),
@@ -295,11 +317,15 @@ def routed_experts(
         else:
             matmul = functools.partial(grouped_matmul_blocked, block=blocked_rows(n * k, num_experts))
 
-        def gmm(inp, w):
-            return matmul(inp, w, sizes, weight_fake_quant)
+        def gmm(inp, w, adapter):
+            y = matmul(inp, w, sizes, weight_fake_quant)
+            if adapter is None:
+                return y
+            return y + matmul(matmul(inp, adapter.b, sizes), adapter.a, sizes)
 
-        h = act(gmm(xs, w_gate), gmm(xs, w_up))
-        return combine(gmm(qin(h), w_down), order, weights)
+        ad_gate, ad_up, ad_down = adapters or (None, None, None)
+        h = act(gmm(xs, w_gate, ad_gate), gmm(xs, w_up, ad_up))
+        return combine(gmm(qin(h), w_down, ad_down), order, weights)
     if form == "selected":
         xs, order, sizes = permute(x, idx, num_experts)
 
@@ -318,12 +344,17 @@ def routed_experts(
     flat = idx.reshape(-1)
     xs = qin(jnp.repeat(x, k, axis=0))
 
-    def bmm(inp, w):
-        if weight_fake_quant:  # quantise each expert once, before the per-assignment gather
+    def gathered(inp, w, fake_quant=False):
+        if fake_quant:  # quantise each expert once, before the per-assignment gather
             w = materialize(w, inp.dtype, fake_quant=True)
         wm = materialize(take_experts(w, flat), inp.dtype)
         return jnp.einsum("mi,moi->mo", inp, wm, preferred_element_type=jnp.float32).astype(inp.dtype)
 
-    h = act(bmm(xs, w_gate), bmm(xs, w_up))
-    y = bmm(qin(h), w_down).astype(jnp.float32).reshape(n, k, -1)
+    def bmm(inp, w, adapter):
+        y = gathered(inp, w, weight_fake_quant)
+        return y if adapter is None else y + gathered(gathered(inp, adapter.b), adapter.a)
+
+    ad_gate, ad_up, ad_down = adapters or (None, None, None)
+    h = act(bmm(xs, w_gate, ad_gate), bmm(xs, w_up, ad_up))
+    y = bmm(qin(h), w_down, ad_down).astype(jnp.float32).reshape(n, k, -1)
     return jnp.einsum("nk,nkd->nd", weights.astype(jnp.float32), y, precision=jax.lax.Precision.HIGHEST)

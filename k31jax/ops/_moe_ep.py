@@ -41,8 +41,8 @@ from ..quant import MXFP4KernelWeight, MXFP4Weight, mx_fake_quant_activations, m
 from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
 from ._impl import ImplChoice, kernel_or_reference, resolve_impl
-from ._moe import (FEW_ASSIGNMENTS_PER_EXPERT, RAGGED_DOT_DIMS, expert_window, materialize, one_expert,
-                   visit_selected_experts)
+from ._moe import (FEW_ASSIGNMENTS_PER_EXPERT, RAGGED_DOT_DIMS, ExpertAdapter, expert_window, materialize,
+                   one_expert, visit_selected_experts)
 
 EXCHANGES = ("ragged", "dense", "allgather")
 _HI = jax.lax.Precision.HIGHEST
@@ -147,6 +147,15 @@ class EPPlan:
                 out.append(spec)
         return tuple(out)
 
+    def adapter_specs(self, adapters):
+        """Shard-map specs of `ExpertAdapter`s beside (gate, up, down): each factor split as
+        the weight's axis it spans (experts; the intermediate `out` of gate / up and `in` of
+        down over the tensor axes), its rank axis whole."""
+        ep, tp = _entry(self.ep_axes), _entry(self.tp_axes)
+        gate_up, down = ExpertAdapter(P(ep, tp, None), P(ep, None, None)), ExpertAdapter(P(ep, None, None),
+                                                                                          P(ep, None, tp))
+        return tuple(None if a is None else spec for a, spec in zip(adapters, (gate_up, gate_up, down)))
+
 
 def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
@@ -207,7 +216,7 @@ def _local_float(w, dtype, plan: EPPlan, down: bool, fake_quant: bool):
 
 
 def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_form, window, hidden_act,
-                 beta_gate, beta_up, weight_fake_quant, activation_fake_quant, kernel="xla"):
+                 beta_gate, beta_up, weight_fake_quant, activation_fake_quant, kernel="xla", adapters=None):
     """Each row through its (local) expert; rows with local_e == n_local give zeros.
 
     local_form "ragged": one `ragged_dot` per weight over every local expert (prefill);
@@ -216,12 +225,14 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     ("pallas" / "interpret" / "interpret_tpu"; gate and up in one launch), differentiated as
     the ragged form; "auto": "selected" off CPU, "ragged" on CPU (chosen at lowering).
     """
+    if adapters is not None and local_form != "ragged":
+        raise ValueError(f"expert adapters run in the ragged local form, not {local_form!r}")
     if local_form == "auto":
         def form(name):
             return lambda *a: _expert_rows(
                 *a[:2], n_local, *a[2:], plan, local_form=name, window=window, hidden_act=hidden_act,
                 beta_gate=beta_gate, beta_up=beta_up, weight_fake_quant=weight_fake_quant,
-                activation_fake_quant=activation_fake_quant, kernel=kernel)
+                activation_fake_quant=activation_fake_quant, kernel=kernel, adapters=adapters)
 
         return jax.lax.platform_dependent(rows, local_e, w_gate, w_up, w_down, cpu=form("ragged"),
                                           default=form("selected"))
@@ -239,8 +250,14 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
         wf = _local_float(w, inp.dtype, plan, down, fake_quant)
         return jax.lax.ragged_dot_general(inp, wf, sizes_, RAGGED_DOT_DIMS, preferred_element_type=jnp.float32)
 
-    def gmm(inp, w, down=False):
-        return ragged(inp, w, sizes, down, weight_fake_quant).astype(out_dt if down else inp.dtype)
+    def gmm(inp, w, down=False, adapter=None):
+        y = ragged(inp, w, sizes, down, weight_fake_quant)
+        if adapter is not None:  # beside the weight: a (b x), partial over the tensor axes for down
+            low = jax.lax.ragged_dot_general(inp, adapter.b.astype(inp.dtype), sizes, RAGGED_DOT_DIMS,
+                                             preferred_element_type=jnp.float32)
+            y = y + jax.lax.ragged_dot_general(low, adapter.a.astype(jnp.float32), sizes, RAGGED_DOT_DIMS,
+                                               preferred_element_type=jnp.float32)
+        return y.astype(out_dt if down else inp.dtype)
 
     def expert_rows(x_w, e):
         def mm(inp, w, down=False):
@@ -278,7 +295,9 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
         y = visit_selected_experts(xs, sizes, window, expert_rows, d_out, out_dt)
     elif local_form == "ragged":
         xs = qin(xs)
-        y = gmm(qin(glu(gmm(xs, w_gate), gmm(xs, w_up), hidden_act, beta_gate, beta_up)), w_down, down=True)
+        ad_gate, ad_up, ad_down = adapters or (None, None, None)
+        h = glu(gmm(xs, w_gate, adapter=ad_gate), gmm(xs, w_up, adapter=ad_up), hidden_act, beta_gate, beta_up)
+        y = gmm(qin(h), w_down, down=True, adapter=ad_down)
     else:
         raise ValueError(f"expert-parallel local form {local_form!r}: expected 'auto', 'ragged', 'selected' or 'kernel'")
     return jnp.zeros_like(y).at[order].set(y)
@@ -301,11 +320,16 @@ def _body(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, rounds: int, **kw):
     # closed over by every round; their gradient is the sum of the rounds' (accumulated in the
     # weights' dtype: bf16 under bf16 masters, a rounding per round).
     fq = kw.pop("weight_fake_quant")
+    adapters = kw.pop("adapters", None)
     floats = [_local_float(w, x.dtype, plan, down, fq) for w, down in ((w_gate, False), (w_up, False), (w_down, True))]
-    one = jax.checkpoint(functools.partial(_round, plan=plan, weight_fake_quant=False, **kw), prevent_cse=False)
+
+    def one_round(x_, idx_, pw_, wg, wu, wd, ads):
+        return _round(x_, idx_, pw_, wg, wu, wd, plan=plan, weight_fake_quant=False, adapters=ads, **kw)
+
+    one = jax.checkpoint(one_round, prevent_cse=False)
 
     def step(carry, tokens):
-        return carry, one(*tokens, *floats)
+        return carry, one(*tokens, *floats, adapters)
 
     n = x.shape[0]
     _, out = jax.lax.scan(step, None, [a.reshape((rounds, n // rounds) + a.shape[1:]) for a in (x, idx, pw)])
@@ -351,7 +375,7 @@ def _round(x, idx, pw, w_gate, w_up, w_down, *, plan: EPPlan, **kw):
 def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hidden_act: str = "situ",
                       beta_gate: float = 4.0, beta_up: float | None = 25.0, weight_fake_quant: bool = False,
                       activation_fake_quant: bool = False, local: str = "auto", round_bytes: int = ROUND_BYTES,
-                      kernels: ImplChoice | None = None):
+                      kernels: ImplChoice | None = None, adapters=None):
     """`Σ_k p_k · E_{e_k}(x)` (fp32 `[N, d]`) with the experts split as `plan` says.
 
     Same contract as `k31jax.ops.routed_experts`. The result is complete (reduced over the
@@ -366,10 +390,16 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
     kernels: the kernel seam (`_impl.resolve_impl`) for packed experts: where it resolves to a
     kernel, each device runs the MXFP4 grouped-matmul kernel on its rows ("kernel"), whatever
     `local` says.
+    adapters: LoRA factors beside the weights (`routed_experts`' argument), split as the experts
+    (`EPPlan.adapter_specs`); they run in the ragged local form, whatever `local` and `kernels`
+    say.
     """
     n, k = idx.shape
+    adapters = adapters if adapters is not None and any(a is not None for a in adapters) else None
     packed = all(isinstance(w, MXFP4Weight) for w in (w_gate, w_up, w_down))
-    kernel = resolve_impl(kernels, "mxfp4_gmm") if packed and not weight_fake_quant else "xla"
+    kernel = resolve_impl(kernels, "mxfp4_gmm") if packed and not weight_fake_quant and adapters is None else "xla"
+    if adapters is not None:
+        local = "ragged"
     if kernel != "xla":
         local = "kernel"
     if local == "auto" and not (packed and n * k < FEW_ASSIGNMENTS_PER_EXPERT * plan.num_experts):
@@ -390,6 +420,14 @@ def ep_routed_experts(x, idx, weights, w_gate, w_up, w_down, *, plan: EPPlan, hi
                              hidden_act=hidden_act, beta_gate=beta_gate, beta_up=beta_up,
                              weight_fake_quant=weight_fake_quant, activation_fake_quant=activation_fake_quant,
                              kernel=kernel)
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down),
-                       out_specs=tok, check_vma=False)
-    return fn(x, idx.astype(jnp.int32), weights.astype(jnp.float32), w_gate, w_up, w_down)
+    specs = (tok, tok, tok) + plan.weight_specs(w_gate, w_up, w_down)
+    args = (x, idx.astype(jnp.int32), weights.astype(jnp.float32), w_gate, w_up, w_down)
+    if adapters is not None:
+        def body_with_adapters(*a):
+            return body(*a[:-1], adapters=a[-1])
+
+        fn = jax.shard_map(body_with_adapters, mesh=plan.mesh, in_specs=specs + (plan.adapter_specs(adapters),),
+                           out_specs=tok, check_vma=False)
+        return fn(*args, adapters)
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=specs, out_specs=tok, check_vma=False)
+    return fn(*args)

@@ -20,8 +20,10 @@ from ._balance import BiasUpdateRule, SignBiasUpdate, expert_load, load_metrics,
 from ._config import DISTILL_STAGES, MASTER_DTYPES, TrainConfig
 from ._data import (DataConfig, HoldoutSplit, ShardedIterator, ShardedStream, heldout_bytes, holdout_split, load_documents,
                     make_dataset)
+from ._domains import DomainSplit, embedded_heldout_domain, language_reference_domain
 from ._distill import RecallResult, indexer_distill_terms, indexer_kl, indexer_recall, topk_recall, with_index_topk
-from ._lora import DEFAULT_LORA_TARGETS, LoraState, apply_lora, init_lora
+from ._lora import (DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, LoraState, apply_lora, init_lora, load_adapter,
+                    routed_expert_digest, save_adapter, with_adapter)
 from ._loss import bits_per_byte, chunked_cross_entropy, full_cross_entropy
 from ._metrics import plot_metrics, read_metrics
 from ._optim import OPTIMIZERS, TRAINABLE_SETS, OptimConfig, decay_mask, make_optimizer, param_labels
@@ -34,7 +36,7 @@ from ._trainer import (RUN_FILE, SIGTERM_EXIT, EvalResult, Trainer, TrainResult,
 __all__ = [
     "DISTILL_STAGES", "MASTER_DTYPES", "OPTIMIZERS", "RUN_FILE", "SIGTERM_EXIT", "TRAINABLE_SETS", "StepProgram", "StepSettings",
     "split_for_training", "train_step", "with_config",
-    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
+    "BiasUpdateRule", "DEFAULT_LORA_TARGETS", "EXPERT_LORA_TARGET", "load_adapter", "routed_expert_digest", "save_adapter", "with_adapter", "DomainSplit", "embedded_heldout_domain", "language_reference_domain", "abstract_train_step", "DataConfig", "EvalResult", "HoldoutSplit", "LoraState", "OptimConfig",
     "RecallResult", "ShardedIterator", "ShardedStream", "SignBiasUpdate", "TrainConfig", "TrainResult", "Trainer", "apply_lora", "bits_per_byte",
     "chunked_cross_entropy", "decay_mask", "eval_split", "evaluate", "expert_load", "full_cross_entropy",
     "heldout_bytes", "holdout_split", "indexer_distill_terms", "indexer_kl", "indexer_recall", "init_lora",

@@ -32,7 +32,9 @@ class TrainConfig:
     bias_update_rate: DeepSeek-V3 sign update of the router's selection bias per step
       (0: off); `balance_loss`: weight of the sequence-level balance loss (0: off).
     lora_rank: > 0 trains LoRA adapters on the attention and shared-expert projections and
-      freezes the base weights (merged at export).
+      freezes the base weights (the router's selection bias too: `bias_update_rate` does not
+      apply), merged at export; packed MXFP4 routed experts stay packed.
+      `lora_experts` adapts the routed experts too (beside packed ones, unmerged).
     save_every / keep: Orbax checkpoints every N steps (asynchronous), the newest K kept.
     eval_every / eval_batches: held-out loss every N steps (0: only at the end).
     mesh / rules: train under this mesh (`"data=2,fsdp=4"`) and rule table.
@@ -64,6 +66,7 @@ class TrainConfig:
     balance_loss: float = 0.0
     lora_rank: int = 0
     lora_alpha: float = 16.0
+    lora_experts: bool = False
     save_every: int = 100
     keep: int = 3
     log_every: int = 1
@@ -93,6 +96,8 @@ class TrainConfig:
         for name in ("z_loss", "bias_update_rate", "balance_loss", "eval_every", "lora_rank"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.lora_experts and not self.lora_rank:
+            problems.append("lora_experts=True with lora_rank=0: adapters need a rank")
         if self.lora_rank and self.optim.trainable != "all":
             problems.append(f"lora_rank={self.lora_rank} with trainable={self.optim.trainable!r}: LoRA trains "
                             "only its adapters")

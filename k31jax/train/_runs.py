@@ -18,9 +18,12 @@ import os
 import shlex
 from pathlib import Path
 
+from flax import nnx
+
 from ..generate import DEFAULT_MODEL, LoadedModel, embedded_model_dir, load_model
 from ..nn import reconfigure
 from ._data import DataConfig, data_files, holdout_split
+from ._lora import load_adapter, routed_expert_digest, with_adapter
 from ._trainer import FINAL, is_embedded, is_run, load_run, read_run, with_config
 
 _EMBEDDED_DEFAULT_DTYPE = "float32"
@@ -47,11 +50,37 @@ def _final_export(run: Path) -> Path | None:
 
 def load_generation_model(ckpt: str | os.PathLike | None = None, *, config: str | None = None, seed: int = 0,
                           dtype: str | None = None, tokenizer: str | os.PathLike | None = None,
-                          vision: bool | None = None, expert_activations: str | None = None) -> LoadedModel:
+                          vision: bool | None = None, expert_activations: str | None = None,
+                          lora: str | os.PathLike | None = None) -> LoadedModel:
     """`k31jax.generate.load_model`, and also a training run: its folder (the final export, or
     without one the newest checkpoint) or its export's folder. The run's base model sets the
     defaults (the embedded model's: float32, raw completion), and `banner` says what was
-    loaded."""
+    loaded.
+
+    lora: a LoRA adapter folder (a LoRA run's `final/adapter`, `save_adapter`) applied to the
+    model: merged into its float weights and run beside its packed routed experts (their bytes
+    untouched). Without `ckpt` the adapter's own base is loaded; a base whose packed experts
+    differ from the ones the adapter was trained on is refused."""
+    if lora is None:
+        return _load_generation_model(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer,
+                                      vision=vision, expert_activations=expert_activations)
+    adapter, meta = load_adapter(lora)
+    if ckpt is None and not is_embedded(meta["base"]):
+        ckpt = meta["base"]
+    loaded = _load_generation_model(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer, vision=vision,
+                                    expert_activations=expert_activations)
+    expected, found = meta.get("base_routed_experts_sha256"), routed_expert_digest(nnx.state(loaded.model))
+    if expected is not None and found != expected:
+        raise ValueError(f"{lora}: the adapter was trained on {meta['base']} (packed experts sha256 "
+                         f"{expected[:16]}), but this model's packed experts are {'absent' if found is None else found[:16]}")
+    loaded.model = with_adapter(loaded.model, adapter)
+    beside = " (beside the packed routed experts)" if loaded.model.config.expert_adapter_rank else ""
+    loaded.banner = (f"{loaded.banner}; " if loaded.banner else "") + (
+        f"LoRA adapter {lora}: rank {adapter.rank} on {len(adapter.a)} weights{beside}")
+    return loaded
+
+
+def _load_generation_model(ckpt, *, config, seed, dtype, tokenizer, vision, expert_activations) -> LoadedModel:
     run_dir = None if ckpt is None else run_of(ckpt)
     if run_dir is None:
         return load_model(ckpt, config=config, seed=seed, dtype=dtype, tokenizer=tokenizer, vision=vision,

@@ -37,13 +37,14 @@ from ..ckpt import convert, write_synthetic_release
 from ..distributed import any_process, barrier, gather_json, host_copy, is_primary, shard_model
 from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
 from ..generate import load_tokenizer, tokenizer_dir
-from ..nn import K31ForCausalLM, abstract_model, dequantize_experts, quantize_experts
+from ..nn import (K31ForCausalLM, abstract_model, dequantize_experts, merge_expert_adapters, quantize_experts,
+                  with_expert_adapters)
 from ..ops import Backends
 from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
 from ._data import DataConfig, HoldoutSplit, ShardedIterator, holdout_split, make_dataset, resolved_holdout
 from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
-from ._lora import DEFAULT_LORA_TARGETS, apply_lora, init_lora
+from ._lora import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, apply_lora, init_lora, routed_expert_digest, save_adapter
 from ._metrics import MetricsLog, compiling_note
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
                      param_labels)
@@ -54,6 +55,7 @@ RUN_FILE = "run.json"
 MODEL_CONFIG_FILE = "model_config.json"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"  # the finished run's export: final/release (safetensors), final/orbax (k31jax Orbax)
+ADAPTER = "adapter"  # and for a LoRA run final/adapter, its adapters alone
 SIGTERM_EXIT = 143  # 128 + SIGTERM, after the checkpoint is written
 
 # One program per step for the process: every Trainer (and `evaluate` call) with the same
@@ -82,12 +84,24 @@ def with_config(model: K31ForCausalLM, cfg: ModelConfig) -> K31ForCausalLM:
     return nnx.merge(graphdef, target)
 
 
+def lora_targets(experts: bool) -> tuple[str, ...]:
+    """The adapted weights of a LoRA run (`TrainConfig.lora_experts`: the routed experts too)."""
+    return DEFAULT_LORA_TARGETS + ((EXPERT_LORA_TARGET,) if experts else ())
+
+
 def training_form(model: K31ForCausalLM, cfg: TrainConfig) -> K31ForCausalLM:
-    """Float master experts (QAT trains those), the master dtype and the QAT switches."""
-    if model.config.expert_weights == "mxfp4":
+    """The master dtype and the QAT switches; routed experts as float masters (QAT trains
+    those), except under LoRA: its base is frozen and its adapters leave the routed experts
+    alone, so packed MXFP4 experts stay packed (a quarter of bf16's bytes; the forward pass
+    decodes each layer's experts as it uses them, and the export keeps their bytes)."""
+    packed = model.config.expert_weights == "mxfp4"
+    if packed and not cfg.lora_rank:
         model = dequantize_experts(model)
+        packed = False
     acts = "mxfp8" if cfg.mxfp8_activations else "bf16"
-    return with_config(model, model.config.replace(dtype=cfg.dtype, expert_qat=cfg.qat, expert_activations=acts))
+    model = with_config(model, model.config.replace(dtype=cfg.dtype, expert_qat=cfg.qat and not packed,
+                                                    expert_activations=acts))
+    return with_expert_adapters(model, cfg.lora_rank) if packed and cfg.lora_experts else model
 
 
 def split_for_training(state: nnx.State, optim: OptimConfig):
@@ -139,7 +153,7 @@ def load_run(path: str | os.PathLike, step: int | None = None):
     graphdef, state = nnx.split(abstract_model(model_cfg))
     if run.lora_rank:  # the whole base model + the adapters, merged
         params = nnx.to_pure_dict(state)
-        trained = jax.eval_shape(lambda: init_lora(state, DEFAULT_LORA_TARGETS, run.lora_rank, run.lora_alpha,
+        trained = jax.eval_shape(lambda: init_lora(state, lora_targets(run.lora_experts), run.lora_rank, run.lora_alpha,
                                                    jax.random.key(0)))
     else:  # the frozen rest + the trained leaves, overlaid
         params, trained, _ = split_for_training(state, run.optim)
@@ -311,7 +325,7 @@ class Trainer:
         self.graphdef, state = nnx.split(model)
         self.params = nnx.to_pure_dict(state)
         if cfg.lora_rank:
-            self.trainable = init_lora(state, DEFAULT_LORA_TARGETS, cfg.lora_rank, cfg.lora_alpha,
+            self.trainable = init_lora(state, lora_targets(cfg.lora_experts), cfg.lora_rank, cfg.lora_alpha,
                                        jax.random.key(cfg.seed))
             self.tx = make_lora_optimizer(cfg.optim)
         else:
@@ -321,7 +335,10 @@ class Trainer:
             self.trainable, self.opt_state = _on_mesh(self.mesh, (self.trainable, self.opt_state))
         self.settings = StepSettings(
             backends=Backends(), remat=cfg.remat, vocab_chunk=cfg.vocab_chunk, z_loss=cfg.z_loss,
-            balance_loss=cfg.balance_loss, bias_update_rate=cfg.bias_update_rate,
+            balance_loss=cfg.balance_loss,
+            # LoRA freezes the whole base, the router's selection bias too, so that the
+            # adapters alone (the `adapter` export) reproduce the trained model
+            bias_update_rate=0.0 if cfg.lora_rank else cfg.bias_update_rate,
             lora_scale=cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else None)
         self._step_fn = _TRAIN_STEP
         self._step_graphdef = self.graphdef
@@ -355,7 +372,7 @@ class Trainer:
             saved = read_run(self.out)
             saved = dataclasses.replace(saved, data=resolved_holdout(saved.data))  # runs before it was recorded
             keep_same = ("data", "optim", "model", "init", "dtype", "qat", "mxfp8_activations", "grad_accum",
-                         "lora_rank", "lora_alpha", "seed", "vocab_chunk", "z_loss", "bias_update_rate",
+                         "lora_rank", "lora_alpha", "lora_experts", "seed", "vocab_chunk", "z_loss", "bias_update_rate",
                          "balance_loss", "distill_indexer")
             # with `init` the model is the init's (runs before the base was recorded say "tiny")
             changed = [f for f in keep_same if getattr(saved, f) != getattr(self.cfg, f)
@@ -496,14 +513,24 @@ class Trainer:
         """The trained weights twice: the release safetensors layout (routed experts packed to
         MXFP4 with the floor rule QAT trained against, when `qat`), and that release converted
         to a k31jax Orbax checkpoint. Non-expert weights are stored in bf16, as the release.
-        With several processes, each gathers the weights and process 0 writes them."""
+        With several processes, each gathers the weights and process 0 writes them.
+
+        A LoRA run's release is its adapters merged (adapters on packed experts merged and
+        re-rounded to MXFP4: `merge_expert_adapters`), and `where/adapter` holds the adapters
+        alone (`save_adapter`; `k31jax generate --lora`), for the base's bytes as they are."""
         model = self.model()
-        if self.cfg.qat and model.config.moe_layers:
+        if model.config.expert_adapter_rank:
+            model = merge_expert_adapters(model)
+        if self.cfg.qat and model.config.moe_layers and model.config.expert_weights != "mxfp4":
             model = quantize_experts(model)
         release_cfg = model.config.replace(dtype="bfloat16", expert_qat=False, expert_activations="bf16")
         params = host_copy(nnx.to_pure_dict(nnx.state(with_config(model, release_cfg))))
+        adapter = host_copy(self.trainable) if self.cfg.lora_rank else None
         if is_primary():
             self._write_export(where, release_cfg, params)
+            if adapter is not None:
+                save_adapter(adapter, where / ADAPTER, targets=lora_targets(self.cfg.lora_experts),
+                             base=self.cfg.init or self.cfg.model, base_experts=routed_expert_digest(self.params))
         barrier("k31jax-train-exported")
         return where
 
@@ -573,19 +600,23 @@ def _global_batch(mesh, batch: dict[str, np.ndarray], *, micro_batches: bool = F
 
 def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: OptimConfig | None = None,
                         qat: bool = True, master_dtype: str = "float32", remat: str = "full", lora_rank: int = 0,
-                        lora_alpha: float = 16.0, micro_batch: int = 1, grad_accum: int = 1, seq_len: int = 4096,
+                        lora_alpha: float = 16.0, lora_experts: bool = False, micro_batch: int = 1, grad_accum: int = 1, seq_len: int = 4096,
                         vocab_chunk: int = 4096, backends: Backends | None = None):
     """`(jitted step, arguments)` of the trainer's step for `model_config` on `mesh`, from
     abstract shapes only: `jitted.lower(*arguments)` is the program `Trainer` runs (float
-    master experts, the trainable split or LoRA adapters, the optimizer state; params,
+    master experts, or under LoRA packed MXFP4 ones where the config has them; the trainable
+    split or LoRA adapters, the optimizer state; params,
     optimizer state and trainable donated). For ahead-of-time compilation (`k31jax.aot`)."""
     from ..distributed import abstract_state
 
     optim = optim or OptimConfig(trainable="experts")
-    cfg = model_config.replace(expert_weights="bf16", dtype=master_dtype, expert_qat=qat and bool(model_config.moe_layers))
+    packed = bool(lora_rank) and model_config.expert_weights == "mxfp4"  # as `training_form` keeps them
+    cfg = model_config.replace(expert_weights="mxfp4" if packed else "bf16", dtype=master_dtype,
+                               expert_qat=qat and bool(model_config.moe_layers) and not packed,
+                               expert_adapter_rank=lora_rank if packed and lora_experts else 0)
     graphdef, state = abstract_state(cfg, mesh, rules)
     if lora_rank:
-        trainable = jax.eval_shape(lambda: init_lora(state, DEFAULT_LORA_TARGETS, lora_rank, lora_alpha,
+        trainable = jax.eval_shape(lambda: init_lora(state, lora_targets(lora_experts), lora_rank, lora_alpha,
                                                      jax.random.key(0)))
         params, tx = nnx.to_pure_dict(state), make_lora_optimizer(optim)
     else:

@@ -144,3 +144,11 @@ def test_status_line_redraws_with_elapsed_time_and_erases_itself():
     with StatusLine("prefill", stream=piped, interval=0.01):
         time.sleep(0.05)
     assert piped.getvalue() == ""  # logs and pipes get nothing
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_lora_folder_without_an_adapter_is_named(command, tmp_path, capsys):
+    code, _, err = run([command, "--lora", str(tmp_path), *(["--prompt", "x"] if command == "generate" else [])],
+                       capsys)
+    assert code != 0 and f"{tmp_path / 'adapter_config.json'}: missing" in err, err
+    assert "Traceback" not in err

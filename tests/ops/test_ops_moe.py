@@ -438,3 +438,35 @@ def test_glu_activations_vs_reference():
     want_bf = R.situ_glu(np.asarray(jnp.asarray(g, jnp.bfloat16), np.float64),
                          np.asarray(jnp.asarray(u, jnp.bfloat16), np.float64), 4.0, 25.0)
     np.testing.assert_allclose(np.asarray(out_bf, np.float64), want_bf, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["ragged", "blocked", "gather", "auto"])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_expert_adapters_beside_packed_experts(form, tokens):
+    """LoRA factors beside packed MXFP4 experts (`adapters`): `W x + a (b x)` per weight equals
+    the float64 loop over the experts with `dequant(W) + a @ b` merged in (spec: the adapters
+    are a low-rank delta of each expert's weight), in every form that takes them; a token
+    picking an expert twice and experts with no tokens included. "selected" refuses them."""
+    from k31jax.quant import MXFP4Weight, mxfp4_dequantize_packed, mxfp4_quantize_packed
+
+    rng = np.random.default_rng(31)
+    n, e, k, d, f, r = tokens, 6, 3, 64, 32, 3
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    idx = np.stack([rng.choice(4, k) for _ in range(n)]).astype(np.int32)  # repeats; experts 4, 5 idle
+    w = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    packed = [mxfp4_quantize_packed(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-1]), jnp.float32))
+              for shape in ((e, f, d), (e, f, d), (e, d, f))]
+    adapters = [_moe.ExpertAdapter(jnp.asarray(rng.standard_normal((e, out, r)) * 0.3, jnp.float32),
+                                   jnp.asarray(rng.standard_normal((e, r, inp)) * 0.3, jnp.float32))
+                for out, inp in ((f, d), (f, d), (d, f))]
+    merged = [np.asarray(mxfp4_dequantize_packed(p, s, dtype=jnp.float32), np.float64)
+              + np.asarray(ad.a, np.float64) @ np.asarray(ad.b, np.float64) for (p, s), ad in zip(packed, adapters)]
+    want = expert_loop(x, idx, w, *merged, "situ", 4.0, 25.0)
+    got = jax.jit(functools.partial(_moe.routed_experts, form=form))(
+        x, idx, w, *(MXFP4Weight(p, s) for p, s in packed), adapters=tuple(adapters))
+    assert rel_err(np.asarray(got), want) < 1e-5, rel_err(np.asarray(got), want)
+    plain = np.asarray(_moe.routed_experts(x, idx, w, *(MXFP4Weight(p, s) for p, s in packed), form=form))
+    assert rel_err(plain, want) > 1e-2  # the adapters matter at this size
+    with pytest.raises(ValueError, match="selected"):
+        _moe.routed_experts(x, idx, w, *(MXFP4Weight(p, s) for p, s in packed), form="selected",
+                            adapters=tuple(adapters))

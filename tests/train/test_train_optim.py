@@ -2,6 +2,7 @@
 and LoRA parameter deltas."""
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -13,7 +14,8 @@ from flax import nnx
 
 from helpers.model import tiny_config
 from k31jax import K31ForCausalLM
-from k31jax.train._lora import init_lora, apply_lora
+from k31jax.train._lora import (DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, apply_lora, init_lora, load_adapter,
+                                routed_expert_digest, save_adapter)
 from k31jax.train._optim import (OptimConfig, decay_mask, learning_rate_schedule, make_optimizer,
                                  map_by_path, param_labels)
 from refs import train as ref
@@ -345,3 +347,57 @@ def test_lora_on_the_scanned_tiny_model():
     # B = 0: the model's own logits (to XLA:CPU's run-to-run threading noise in a full suite)
     np.testing.assert_allclose(np.asarray(logits(params, lora)), np.asarray(base), rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(logits(params, trained) - base).max()) > 1e-3
+
+
+def _packed_tiny(adapter_rank: int = 0):
+    cfg = tiny_config().replace(expert_weights="mxfp4", expert_adapter_rank=adapter_rank)
+    return nnx.state(K31ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+
+
+def test_lora_on_packed_experts_needs_slots_and_fills_them():
+    with pytest.raises(ValueError, match="need adapter slots"):
+        init_lora(_packed_tiny(), targets=(EXPERT_LORA_TARGET,), rank=2)
+    state = _packed_tiny(adapter_rank=2)
+    with pytest.raises(ValueError, match="rank 2, not 3"):
+        init_lora(state, targets=(EXPERT_LORA_TARGET,), rank=3)
+    lora = init_lora(state, targets=(EXPERT_LORA_TARGET,), rank=2, alpha=6.0, rng=jax.random.key(3))
+    assert set(lora.a) == {"moe/w_gate", "moe/w_up", "moe/w_down"}
+    gate = state["moe"]["w_gate"]["packed"].get_value()
+    *lead, out, half = gate.shape
+    assert lora.a["moe/w_gate"].shape == (*lead, out, 2) and lora.b["moe/w_gate"].shape == (*lead, 2, 2 * half)
+    lora = dataclasses.replace(lora, b={p: jnp.ones_like(b) for p, b in lora.b.items()})
+    pure = nnx.to_pure_dict(state)
+    out_state = apply_lora(pure, lora)
+    np.testing.assert_array_equal(out_state["moe"]["w_gate"]["packed"], pure["moe"]["w_gate"]["packed"])
+    np.testing.assert_allclose(out_state["moe"]["w_gate"]["adapter_a"], 3.0 * lora.a["moe/w_gate"], rtol=1e-6)
+    np.testing.assert_array_equal(out_state["moe"]["w_gate"]["adapter_b"], lora.b["moe/w_gate"])
+
+
+def test_adapter_files_round_trip_and_bad_input(tmp_path):
+    state = _packed_tiny(adapter_rank=2)
+    lora = init_lora(state, targets=DEFAULT_LORA_TARGETS + (EXPERT_LORA_TARGET,), rank=2, rng=jax.random.key(4))
+    digest = routed_expert_digest(state)
+    folder = save_adapter(lora, tmp_path / "adapter", targets=("x",), base="tiny", base_experts=digest)
+    back, meta = load_adapter(folder)
+    assert meta["base"] == "tiny" and meta["base_routed_experts_sha256"] == digest and back.rank == 2
+    for path in lora.a:
+        np.testing.assert_array_equal(back.a[path], lora.a[path])
+        np.testing.assert_array_equal(back.b[path], lora.b[path])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    assert routed_expert_digest(_packed_tiny()) == digest  # the slots are not part of the digest
+    assert routed_expert_digest(tiny_state_concrete()) is None  # float experts have no packed bytes
+    meta_file = folder / "adapter_config.json"
+    raw = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**raw, "paths": raw["paths"] + ["kda/x_proj"]}))
+    with pytest.raises(ValueError, match=r"adapter.safetensors: tensor 'kda/x_proj.lora_a' missing"):
+        load_adapter(folder)
+    meta_file.write_text(json.dumps({**raw, "rank": 4}))
+    with pytest.raises(ValueError, match="not of rank 4"):
+        load_adapter(folder)
+    (folder / "adapter.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="adapter.safetensors: missing"):
+        load_adapter(folder)
+
+
+def tiny_state_concrete():
+    return nnx.state(K31ForCausalLM(tiny_config(), rngs=nnx.Rngs(0)), nnx.Param)
