@@ -68,8 +68,9 @@ def lines_for(name: str, r: aot.CompileReport, cfg: ModelConfig) -> list[str]:
         f"({m['temporaries'] / max(m['arguments'], 1):.1%} of arguments), aliased {m['aliased'] / GB:.3f} GB "
         f"(donated {p['donated'] / GB:.3f} GB: {'all aliased' if m['aliased'] >= p['donated'] else 'NOT ALL ALIASED'}),"
         f" total {r.total / GB:.2f} GB of {r.hbm_per_device / GB:.1f} GB: {'fits' if r.fits else 'does not fit'}",
-        f"  planner total {p['total'] / GB:.2f} GB: planner / compiler (total less generated code "
-        f"{r.buffers / GB:.2f} GB) {r.planner_ratio:.3f}",
+        (f"  planner total {p['total'] / GB:.2f} GB: planner / compiler (total less generated code "
+         f"{r.buffers / GB:.2f} GB) {r.planner_ratio:.3f}" if p['total'] else
+         "  planner: this step is not modelled (the planner models the full-parameter QAT step)"),
         f"  largest float buffer {h.largest_float[1]} {h.largest_float[0] / GB:.3f} GB; one layer's local experts "
         f"in bf16 {local / GB:.3f} GB",
         f"  HBM traffic per call (trip counts) {h.hbm_bytes / GB:.2f} GB; planner floor {r.floor_bytes / GB:.2f} GB "
