@@ -108,7 +108,8 @@ def main() -> None:
         print("\n".join(lines_for(name, r, cfg)), flush=True)
     session.finish()
     # a chosen set of cases is a block of its own beside the full record
-    report("compile", "compile", lines, session, args, part="+".join(args.case) if args.case else None)
+    report("compile", "compile", lines, session, args,
+           part="_".join(args.case).replace("-", "_") if args.case else None)
 
 
 if __name__ == "__main__":
