@@ -215,10 +215,21 @@ class Speculator:
     def drafts(self, limits: dict[Hashable, int]) -> dict[Hashable, list[int]]:
         """Each keyed row's draft: at most its limit (what the loop allows: tokens it may still
         emit without a forced or constrained one, minus one) and its adaptive length."""
-        keys = [k for k, limit in limits.items() if limit > 0 and k in self._rows]
-        wanted = [min(limits[k], self._length[k]) for k in keys]
+        return self.trim(self.proposals([k for k, limit in limits.items() if limit > 0]), limits)
+
+    def proposals(self, keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+        """Each keyed row's draft at its adaptive length, before the loop's limits (`trim`): a
+        loop that proposes before it knows the limits (to learn whether any row drafts at all)
+        trims these afterwards instead of asking the drafter twice."""
+        keys = [k for k in keys if k in self._rows]
+        wanted = [self._length[k] for k in keys]
         proposed = self.drafter.propose([self._rows[k] for k in keys], wanted)
         return {k: list(d[:w]) for k, d, w in zip(keys, proposed, wanted) if d}
+
+    @staticmethod
+    def trim(proposals: dict[Hashable, list[int]], limits: dict[Hashable, int]) -> dict[Hashable, list[int]]:
+        """The proposals cut to each row's limit (rows without a positive limit draft nothing)."""
+        return {k: d[:limits[k]] for k, d in proposals.items() if limits.get(k, 0) > 0}
 
     def widths(self) -> list[int]:
         """Every width `width` picks (the verify programs a loop may compile)."""

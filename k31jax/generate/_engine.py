@@ -124,7 +124,8 @@ class Engine:
     speculation    a `Speculation` (e.g. `Speculation("ngram")`): decode steps verify each
                    row's drafted tokens in one forward pass (`_verify`); greedy output is the
                    same, sampled output has the same distribution. Steps where no row drafts
-                   are plain decode steps (not pipelined).
+                   are plain decode steps (pipelined after a plain step when no row can draft
+                   after its tokens).
     """
 
     def __init__(self, model, tokenizer=None, *, max_len: int = 4096, prefill_chunk: int = 512,
@@ -290,19 +291,38 @@ class Engine:
         emitted = [[int(t)] for t in host]
         n_steps = 0
         while True:
+            # The drafts are proposed as soon as the tokens are in. When no row drafts (whatever
+            # its limits), every row takes in one token and every forced id of the next step is
+            # known now, that plain step is dispatched before the host work, as `_decode` does.
+            pending, t0, compiled = None, 0.0, 0.0
+            live_now = [row.index for row in rows if not row.done]
+            for i in live_now:  # (tokens past a row's end reach its drafter too: it drafts no more)
+                spec.emitted(i, emitted[i])
+            proposals = spec.proposals(live_now)  # trimmed to the rows' limits once they are known
+            if self.pipeline and not proposals and all(len(e) == 1 for e in emitted):
+                ahead = [row.predict_force_after_next() for row in rows]
+                if all(a is not None for a in ahead):
+                    t0, compiled = time.perf_counter(), core.programs.compile_seconds
+                    pending = core.decode(cache, token, sampler, TokenRules.forcing(ahead))
             for row in rows:
                 for t in emitted[row.index]:
                     if row.done:
                         break
                     yield row.push(t)
-                    spec.emitted(row.index, [t])
             n_steps += 1
             if all(row.done for row in rows):
                 return n_steps
+            if pending is not None:
+                cache, sampler, token = pending.cache, pending.sampler, pending.token
+                emitted = [[int(t)] for t in np.asarray(token)]
+                if core.programs.compile_seconds == compiled:
+                    spec.timed(len(live_now), 0, time.perf_counter() - t0, len(live_now))
+                pos += 1
+                continue
             rules = TokenRules.forcing([row.force() for row in rows])
             limits = {row.index: min(row.unforced_run(), row.req.max_new_tokens - len(row.tokens)) - 1
                       for row in rows if not row.done}
-            drafts = spec.drafts(limits)
+            drafts = spec.trim(proposals, limits)
             live = len(limits)
             width = spec.width(drafts, live)
             if width and pos + width > self.max_len:  # the live rows' keys to the front

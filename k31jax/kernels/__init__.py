@@ -1,8 +1,9 @@
 """Pallas kernels for the hot paths, reached through the ops' one `impl=` seam
 (`k31jax.ops.resolve_impl`; the ops give each kernel its XLA path's gradient). Pallas-Triton
-(GPU) for all of them; Pallas TPU (Mosaic) so far for the MXFP4 grouped matmul
-(`mxfp4_matmul.mosaic_mxfp4_gmm`) and the KDA decode step (`kda_chunk.mosaic_kda`), which
-"pallas" picks for a TPU (`kernel_platform`).
+(GPU) for all of them; Pallas TPU (Mosaic) for the MXFP4 grouped matmul
+(`mxfp4_matmul.mosaic_mxfp4_gmm`), the KDA decode step (`kda_chunk.mosaic_kda`), the sparse MLA
+attention over the selected rows (`sparse_mla.mosaic_sparse_mla`) and the indexer's masked
+scores (`sparse_mla.mosaic_indexer`), which "pallas" picks for a TPU (`kernel_platform`).
 
 - `kda_chunk`: KDA chunked forward (intra-chunk UT solve + inter-chunk state pass) and the
   fused single-token decode step (kernel paths of `ops.kda_chunked`, `ops.kda_recurrent`);

@@ -10,8 +10,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ..config import ModelConfig
-from ..ops import (Backends, ExpertAdapter, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route, routed_experts,
-                   router_scores)
+from ..ops import (Backends, ExpertAdapter, MXFP4Weight, ep_routed_experts, glu, make_ep_plan, rms_norm, route,
+                   routed_experts, router_scores)
 from ..quant import mxfp4_quantize_packed, mxfp4_weight
 from ._param import constant, normal, param
 

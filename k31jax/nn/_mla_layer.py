@@ -161,9 +161,11 @@ class MLAMixer(nnx.Module):
         if select:
             qi, wi = self.indexer.queries(c_q, x)
             key_block = self.index_key_block if t > 1 and not decode_form and s_len > self.index_key_block else None
-            sel_idx, sel_valid = select_topk(qi, wi, keys_idx.astype(jnp.float32), q_pos,
+            # a cache that is a row of the stacks is read there (`select_topk`'s layer)
+            in_stack = cache is not None and cache.layer is not None
+            sel_idx, sel_valid = select_topk(qi, wi, cache.index_keys if in_stack else keys_idx, q_pos,
                                              key_valid, self.indexer.top_k, key_block, impl=backends.kernels,
-                                             segment_ids=segment_ids)
+                                             segment_ids=segment_ids, layer=cache.layer if in_stack else None)
             if sparse_form == "auto":
                 sparse_form = "gather" if t == 1 or decode_form or t * s_len > self.mask_path_max_elements else "mask"
         if select and sparse_form == "gather":

@@ -66,7 +66,7 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
 # kernels with a Pallas TPU (Mosaic) version; none has run on a TPU, so "auto" never picks them
-TPU_KERNELS = ("mxfp4_gmm", "kda_step")
+TPU_KERNELS = ("mxfp4_gmm", "kda_step", "sparse_mla", "indexer_topk")
 
 
 def _kernels_from_env() -> ImplChoice:
@@ -219,6 +219,17 @@ def per_device(fn, in_axes: tuple, out_axes: tuple):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return run
+
+
+def splits_any(names: tuple, shape: tuple, which: tuple[str, ...]) -> bool:
+    """Whether the active automatically partitioned mesh splits any of the logical axes `which`
+    of an array with these axis names and shape (a per-device kernel that needs those axes
+    whole cannot run on a slice)."""
+    if _per_device():
+        return False
+    mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+    spec = logical_to_spec(names, shape, mesh_shape, current_rules(mesh_shape))
+    return any(name in which and entry is not None for name, entry in zip(names, tuple(spec) + (None,) * len(names)))
 
 
 def kernel_or_reference(name: str, impl: Impl, kernel, reference, *, grad: bool = True):

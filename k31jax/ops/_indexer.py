@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..kernels import sparse_mla
-from ._impl import ImplChoice, kernel_or_reference, resolve_impl
+from ..kernels import runs_mosaic, sparse_mla
+from ._impl import ImplChoice, kernel_or_reference, per_device, resolve_impl, splits_any
 from ._mla import key_document_ids, same_document
 from ._norms import layer_norm
 
@@ -56,6 +56,7 @@ def select_topk(
     impl: ImplChoice | None = None,
     segment_ids: Int[Array, "B T"] | None = None,
     kv_segment_ids: Int[Array, "B S"] | None = None,
+    layer: Int[Array, ""] | int | None = None,
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """Causal top-min(k, S) selection per query, the query's own position included.
 
@@ -72,8 +73,32 @@ def select_topk(
     to the queries' when S == T): a key is a candidate only in the query's own document, so a
     query `p` tokens into its document gets `min(k, p + 1)` valid slots and a padding query
     none. Always the XLA path (the kernel takes no segments).
+
+    layer: `k` is the index keys of every MLA layer `[Lm, B, S, dI]` and this layer's are row
+    `layer` (`nn.MLALayerCache`): the TPU kernel ("pallas" for a TPU, "interpret_tpu") reads
+    them there, per device under a mesh that keeps the keys' layers and sequence whole; the
+    other paths take the row sliced out. Keys may be bf16 (scores are fp32 either way).
     """
     impl = resolve_impl(impl, "indexer_topk", supported=q.shape[1] == 1)
+    streamed = key_block is not None and key_block < k.shape[-2]
+    if runs_mosaic(impl) and segment_ids is None and not streamed:
+        stacked = layer is not None
+        keys_axes = ("layers", "batch", "cache_seq", None)
+        stack = k if stacked else k[None]
+        if not splits_any(keys_axes, stack.shape, ("layers", "cache_seq")):
+            q, w, stack = jax.lax.stop_gradient((q, w, stack))
+            run = kernel_or_reference(
+                "indexer_topk", impl,
+                functools.partial(sparse_mla.indexer_topk_tpu, top_k=top_k, interpret=impl == "interpret_tpu"),
+                lambda q_, w_, k_, p_, v_, row: select_topk(q_, w_, k_, p_, v_, top_k, impl="xla", layer=row), grad=False)
+            selection = ("batch", "seq", None)
+            return per_device(run, (("batch", "seq", None, None), selection, keys_axes, ("seq",), ("batch", "cache_seq"),
+                                    ()), (selection, selection))(
+                q, w, stack, q_pos, key_valid, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    if layer is not None:
+        k = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
+    if runs_mosaic(impl):
+        impl = "xla"
     key_docs = None
     if segment_ids is not None:
         key_docs = key_document_ids(segment_ids, kv_segment_ids, q.shape[:2], k.shape[1], "select_topk")

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..kernels import sparse_mla
-from ._impl import ImplChoice, kernel_or_reference, resolve_impl
+from ..kernels import runs_mosaic, sparse_mla
+from ._impl import ImplChoice, kernel_or_reference, per_device, resolve_impl, splits_any
 from ._kda import check_segment_ids
 
 _HI = jax.lax.Precision.HIGHEST
@@ -156,8 +156,9 @@ def mla_attention_sparse(
 
     Gathers `[B, T, K, r + dr]` rows; never builds a `[T, S]` mask.
     impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
-    `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise); None / "auto"
-    the kernel on a GPU.
+    `k31jax.kernels.sparse_mla` (decode split-K for T = 1, prefill otherwise; for a TPU the
+    Mosaic kernel, reading the stacks' row in place, per device under a mesh); "interpret_tpu"
+    the Mosaic kernel anywhere; None / "auto" the kernel on a GPU.
     segment_ids / kv_segment_ids: packed rows (module docstring); selected slots of another
     document are dropped from `valid`, so the kernel path stays available.
     layer: `c_kv` / `k_pe` are the caches of every MLA layer `[Lm, B, S, ·]` and this layer's
@@ -166,7 +167,9 @@ def mla_attention_sparse(
     copies all S of its latents, every layer, every step (6 GB per decode step per TPU chip at
     128k tokens, `k31jax compile`), to read K of them.
     """
-    if layer is not None and (segment_ids is not None or resolve_impl(impl, "sparse_mla") != "xla"):
+    resolved = resolve_impl(impl, "sparse_mla")
+    mosaic = runs_mosaic(resolved) and segment_ids is None
+    if layer is not None and (segment_ids is not None or (resolved != "xla" and not mosaic)):
         c_kv, k_pe = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (c_kv, k_pe))
         k_pe, layer = k_pe[..., :q_pe.shape[-1]], None
     if segment_ids is not None:
@@ -177,12 +180,22 @@ def mla_attention_sparse(
         return _zero_padding_queries(
             mla_attention_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid, scale, impl=impl),
             segment_ids)
-    impl = resolve_impl(impl, "sparse_mla")
-    if impl != "xla":
-        return kernel_or_reference("sparse_mla", impl,
-                                   functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=impl),
+    q_lat = absorb_query(q_nope, w_uk)
+    if mosaic:
+        o_lat = _latent_attention_sparse_tpu(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, scale, resolved)
+    elif resolved != "xla":
+        return kernel_or_reference("sparse_mla", resolved,
+                                   functools.partial(sparse_mla.mla_attention_sparse, scale=scale, impl=resolved),
                                    functools.partial(mla_attention_sparse, scale=scale, impl="xla"))(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, valid)
+    else:
+        o_lat = _latent_attention_sparse(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, scale)
+    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(jnp.float32), precision=_HI)
+
+
+def _latent_attention_sparse(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, scale):
+    """The XLA path's `ô` `[B, T, H, r]`: the selected rows gathered (from the stacks' row
+    `layer` in place when given), fp32 logits, masked softmax, weighted latent rows."""
     f32 = jnp.float32
     if layer is None:
         gather = jax.vmap(lambda rows, i: rows[i])
@@ -191,9 +204,42 @@ def mla_attention_sparse(
             return stack[layer, jnp.arange(i.shape[0])[:, None, None], i]
     ckv_sel = gather(c_kv, idx).astype(f32)  # [B, T, K, r]
     kpe_sel = gather(k_pe, idx)[..., :q_pe.shape[-1]].astype(f32)
-    q_lat = absorb_query(q_nope, w_uk)
     logits = (jnp.einsum("bthr,btkr->bhtk", q_lat, ckv_sel, precision=_HI)
               + jnp.einsum("bthd,btkd->bhtk", q_pe.astype(f32), kpe_sel, precision=_HI)) * scale
     p = _masked_softmax(logits, valid[:, None])
-    o_lat = jnp.einsum("bhtk,btkr->bthr", p, ckv_sel, precision=_HI)
-    return jnp.einsum("bthr,rhd->bthd", o_lat, w_uv.astype(f32), precision=_HI)
+    return jnp.einsum("bhtk,btkr->bthr", p, ckv_sel, precision=_HI)
+
+
+# The Mosaic kernel reads whole tiles of the caches (`kernels.sparse_mla.tile_rows` rows), per
+# query; it runs where that is at most MAX_TILE_READ times the selected rows: a short context
+# (S <= 2K for bf16), where a top-K touches most tiles anyway. Beyond, a scattered selection
+# would cost up to 16x the XLA path's gather (benchmarks/RESULTS.md "tpu_kernels"). And only for
+# decode and verify calls (T <= MAX_KERNEL_QUERIES per row): a prefill chunk's queries share
+# tiles that a per-query kernel would read once per query.
+MAX_TILE_READ = 2.0
+MAX_KERNEL_QUERIES = 16
+
+
+def _latent_attention_sparse_tpu(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, scale, impl):
+    """`ô` by the Mosaic kernel (gradient: the XLA path's), on each device's rows and heads
+    under a mesh; the XLA path where the mesh splits what a query needs whole (the cache's
+    layers, sequence or latent), where the tiles it may read exceed `MAX_TILE_READ`x the
+    selected rows, and for more than `MAX_KERNEL_QUERIES` queries per row."""
+    stacked = layer is not None
+    if not stacked:
+        c_kv, k_pe = c_kv[None], k_pe[None]
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    query, selection = ("batch", "seq", "act_heads", None), ("batch", "seq", None)
+    in_axes = (query, query, ("layers", "batch", "cache_seq", "kv_lora"), ("layers", "batch", "cache_seq", None),
+               selection, selection, ())
+    args = (q_lat, q_pe, c_kv, k_pe, idx, valid, layer)
+    k, s_len, rows = idx.shape[-1], c_kv.shape[2], sparse_mla.tile_rows(c_kv.dtype)
+    tiles_read = min(k, -(-s_len // rows)) * rows
+    if (tiles_read > MAX_TILE_READ * k or q_lat.shape[1] > MAX_KERNEL_QUERIES
+            or splits_any(in_axes[2], c_kv.shape, ("layers", "cache_seq", "kv_lora"))):
+        return _latent_attention_sparse(*args, scale)
+    kernel = functools.partial(sparse_mla.latent_attention_sparse_tpu, scale=scale,
+                               interpret=impl == "interpret_tpu")
+    run = kernel_or_reference("sparse_mla", impl, kernel,
+                              lambda *a: _latent_attention_sparse(*a, scale))
+    return per_device(lambda *a: (run(*a),), in_axes, (query,))(*args)[0]

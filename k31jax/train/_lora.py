@@ -64,6 +64,14 @@ EXPERT_LORA_TARGET = r"moe/w_(gate|up|down)"
 _SLOT_A, _SLOT_B = "/adapter_a", "/adapter_b"
 
 
+def _slot_owner(path: str) -> str | None:
+    """The packed weight an adapter slot's path belongs to (`<weight>/adapter_a|b`), else None."""
+    for slot in (_SLOT_A, _SLOT_B):
+        if path.endswith(slot):
+            return path[:-len(slot)]
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraState:
     """Adapters keyed by parameter path: `a[path] [..., n, r]`, `b[path] [..., r, m]`.
@@ -102,7 +110,7 @@ def init_lora(
     leaves: dict[str, Any] = {}
     map_by_path(lambda p, x: leaves.setdefault(p, _value(x)), params_state)
     # packed experts with adapter slots: the weight's path -> its (lead..., n, m) shape
-    slotted = {p[:-len(_SLOT_A)]: (*leaves[p].shape[:-1], leaves[p[:-len(_SLOT_A)] + _SLOT_B].shape[-1])
+    slotted = {_slot_owner(p): (*leaves[p].shape[:-1], leaves[_slot_owner(p) + _SLOT_B].shape[-1])
                for p in leaves if p.endswith(_SLOT_A)}
     chosen = {}
     for pattern in patterns:
@@ -149,8 +157,8 @@ def apply_lora(params_state, lora: LoraState):
 
     def merge(path, x):
         w = _value(x)
-        if path.endswith((_SLOT_A, _SLOT_B)) and path[:-len(_SLOT_A)] in lora.a:
-            owner = path[:-len(_SLOT_A)]
+        owner = _slot_owner(path)
+        if owner is not None and owner in lora.a:
             missing.discard(owner)
             factor = lora.scale * lora.a[owner] if path.endswith(_SLOT_A) else lora.b[owner]
             merged = factor.astype(w.dtype)

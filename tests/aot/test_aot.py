@@ -256,8 +256,9 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
     layout, each MoE layer runs the kernel (gate/up fused, then down) on its expert-parallel rows,
     the stacks reach it uncopied (no copy, no float decode of a layer's experts), the cache is
     aliased, and the report counts the kernel by its cost estimate: far below the stacks. The
-    KDA layers run the Mosaic decode step on each device's rows and heads (`ops.per_device`):
-    the program's collectives are the XLA path's, no state gathered."""
+    KDA layers run the Mosaic decode step and the MLA layers the indexer's scores (and, at a
+    short context, the sparse attention) on each device's rows and heads (`ops.per_device`):
+    no state gathered."""
     import json
 
     from k31jax.cli import main
@@ -280,8 +281,19 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
     held = aot.compile_program(cfg, "v5p:2x2x1", "expert=2,tensor=2", step="decode", batch=8, context=1024,
                                backends=Backends(kernels="xla", ep="ragged", moe="ragged"))
     assert report.hlo.hbm_bytes < held.hlo.hbm_bytes
-    assert "kda_decode_tpu" in text and report.hlo.collectives == held.hlo.collectives
+    assert "kda_decode_tpu" in text and "indexer_scores_tpu" in text
+    # nothing gathered: the kernels' collectives are the XLA path's, but that the indexer's query
+    # heads are gathered (a few KB) where the XLA path all-reduces its [B, S] scores
+    coll, coll_xla = report.hlo.collectives, held.hlo.collectives
+    assert set(coll) == set(coll_xla) and all(coll[k][1] <= coll_xla[k][1] + (16 << 10) for k in coll)
+    assert sum(b for _, b in coll.values()) <= sum(b for _, b in coll_xla.values())
     assert re.search(r"mxfp4_gmm_tpu", " ".join(name for _, name in report.hlo.traffic))
+    # top-128 of 1,024 bf16 rows keeps the XLA gather (`ops._mla.MAX_TILE_READ`); of 256, the
+    # sparse MLA kernel reads the latent stacks at each layer's row, on each device's rows
+    short = aot.compile_program(cfg, "v5p:2x2x1", "expert=2,tensor=2", step="decode", batch=8, context=256,
+                                dump=tmp_path / "short", backends=Backends(kernels="pallas", ep="ragged"))
+    _check_report(short.as_dict(), "decode")
+    assert "sparse_mla_tpu" not in text and "sparse_mla_tpu" in (tmp_path / "short" / "model.decode.hlo.txt").read_text()
     # the CLI flag reaches the same program
     assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=2,tensor=2", "--batch",
                  "2", "--context", "128", "--kernels", "pallas", "--json", str(out)]) == 0

@@ -43,7 +43,7 @@ def test_tpu_kernels_where_one_exists():
     and the op's XLA path elsewhere; "auto" never picks an unverified TPU kernel."""
     from k31jax.kernels import kernel_platform, target_tpu
 
-    assert _impl.TPU_KERNELS == ("mxfp4_gmm", "kda_step")
+    assert _impl.TPU_KERNELS == ("mxfp4_gmm", "kda_step", "sparse_mla", "indexer_topk")
     assert _impl.resolve_impl("interpret_tpu", "mxfp4_gmm") == "interpret_tpu"
     assert _impl.resolve_impl("interpret_tpu", "kda_step") == "interpret_tpu"
     assert _impl.resolve_impl("interpret_tpu", "kda_chunk") == "xla"
@@ -51,7 +51,8 @@ def test_tpu_kernels_where_one_exists():
         assert kernel_platform() == "tpu"
         assert _impl.resolve_impl("pallas", "mxfp4_gmm") == "pallas"
         assert _impl.resolve_impl("pallas", "kda_step") == "pallas"
-        assert _impl.resolve_impl("pallas", "sparse_mla") == "xla"
+        assert _impl.resolve_impl("pallas", "sparse_mla") == "pallas"
+        assert _impl.resolve_impl("pallas", "indexer_topk") == "pallas"
         assert {_impl.resolve_impl(None, k) for k in _impl.TPU_KERNELS} == {"xla"}
     assert kernel_platform() == jax.default_backend()
 

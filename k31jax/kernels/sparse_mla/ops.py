@@ -1,5 +1,8 @@
 """The kernel paths of `ops.mla_attention_sparse` and `ops.select_topk` (`impl` "pallas" |
-"interpret"), plus the fused masked indexer scores.
+"interpret"), plus the fused masked indexer scores (Pallas-Triton); and the latent attention
+over the selected rows and the indexer's masked scores as Pallas TPU (Mosaic) kernels
+(`latent_attention_sparse_tpu`, `indexer_topk_tpu`), which the ops run for "pallas" on a TPU
+and for "interpret_tpu" anywhere.
 
 Dtype policy: the absorbed query `W_UKᵀ q_nope` and the `W_UV` up-projection are the XLA op's
 fp32 einsums. Inside the kernel, fp32 caches give fp32 (IEEE) matmuls; bf16 caches give bf16
@@ -14,6 +17,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._common import pad_axis, pow2_at_least
+from .mosaic_indexer import indexer_scores_tpu
+from .mosaic_sparse_mla import LANES, sparse_mla_tpu, tile_rows
 from .pallas_indexer import indexer_scores_masked
 from .pallas_sparse_mla import combine_splits, sparse_latent_attention
 
@@ -74,6 +79,43 @@ def mla_attention_sparse(
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def latent_attention_sparse_tpu(
+    q_lat: Float[Array, "B T H r"],
+    q_pe: Float[Array, "B T H dr"],
+    c_kv: Float[Array, "Lm B S r"],
+    k_pe: Float[Array, "Lm B S dp"],
+    idx: Int[Array, "B T K"],
+    valid: Bool[Array, "B T K"],
+    layer: Int[Array, ""],
+    *,
+    scale: float,
+    interpret: bool = False,
+) -> Float[Array, "B T H r"]:
+    """The softmax-weighted selected latent rows `ô` (fp32) by the Mosaic kernel, for the
+    absorbed query q̃ = `W_UKᵀ q_nope` (the op absorbs it and applies `W_UV`), reading the layer
+    stacks' row `layer` in place (k_pe's rows may be padded past dr; q_pe is padded to match).
+
+    Heads are padded to 8 and r, dr to whole 128-lane rows with zeros (exact). A cache whose
+    rows or length are not tile-aligned (`tile_rows`) is padded here, a copy of the stacks: the
+    model's K3.1 caches (r 512, k_pe at 128 lanes, `nn.kpe_width`) are not, at lengths that are
+    multiples of 16. `interpret`: the kernel body with TPU semantics on any backend."""
+    b, t, h, r = q_lat.shape
+    cdt = jnp.float32 if c_kv.dtype == jnp.float32 else c_kv.dtype
+    rows = tile_rows(cdt)
+    rp = -(-r // LANES) * LANES
+    pp = -(-k_pe.shape[-1] // LANES) * LANES
+    sp = -(-c_kv.shape[2] // rows) * rows
+    c_kv = pad_axis(pad_axis(c_kv.astype(cdt), 3, rp), 2, sp)
+    k_pe = pad_axis(pad_axis(k_pe.astype(cdt), 3, pp), 2, sp)
+    hp = -(-h // 8) * 8
+    n, kk = b * t, idx.shape[-1]
+    q_lat = pad_axis(pad_axis(q_lat.reshape(n, h, r), 1, hp), 2, rp).astype(cdt)
+    q_pe = pad_axis(pad_axis(q_pe.reshape(n, h, -1), 1, hp), 2, pp).astype(cdt)
+    o = sparse_mla_tpu(q_lat, q_pe, c_kv, k_pe, idx.reshape(n, kk), valid.reshape(n, kk), layer, seq_len=t,
+                       scale=scale, interpret=interpret)
+    return o[:, :h, :r].reshape(b, t, h, r)
+
+
 def indexer_scores(
     q: Float[Array, "B T HI dI"],
     w: Float[Array, "B T HI"],
@@ -119,4 +161,26 @@ def select_topk(
     """
     scores = indexer_scores(q, w, k, q_pos, key_valid, impl=impl)
     vals, idx = jax.lax.top_k(scores, min(top_k, k.shape[1]))
+    return idx.astype(jnp.int32), vals > -jnp.inf
+
+
+def indexer_topk_tpu(
+    q: Float[Array, "B T HI dI"],
+    w: Float[Array, "B T HI"],
+    k: Float[Array, "Lm B S dI"],
+    q_pos: Int[Array, "T"],
+    key_valid: Bool[Array, "B S"],
+    layer: Int[Array, ""],
+    *,
+    top_k: int,
+    interpret: bool = False,
+) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
+    """The TPU kernel path of `ops.select_topk`: the masked scores by the Mosaic kernel
+    (`mosaic_indexer`, the keys' layer stack read at row `layer` in place), then `lax.top_k`
+    over the `[B, T, S]` scores (so it is meant for decode and short chunks, as the GPU path)."""
+    b, t, hi, di = q.shape
+    pos = jnp.broadcast_to(q_pos.astype(jnp.int32)[None, :], (b, t)).reshape(b * t)
+    scores = indexer_scores_tpu(q.astype(jnp.float32).reshape(b * t, hi, di), w.astype(jnp.float32).reshape(b * t, hi),
+                                k, pos, key_valid, layer=layer, interpret=interpret)
+    vals, idx = jax.lax.top_k(scores.reshape(b, t, -1), min(top_k, k.shape[-2]))
     return idx.astype(jnp.int32), vals > -jnp.inf
