@@ -75,13 +75,14 @@ def select_topk(
     none. Always the XLA path (the kernel takes no segments).
 
     layer: `k` is the index keys of every MLA layer `[Lm, B, S, dI]` and this layer's are row
-    `layer` (`nn.MLALayerCache`): the TPU kernel ("pallas" for a TPU, "interpret_tpu") reads
-    them there, per device under a mesh that keeps the keys' layers and sequence whole; the
-    other paths take the row sliced out. Keys may be bf16 (scores are fp32 either way).
+    `layer` (`nn.MLALayerCache`): the TPU kernel ("pallas" for a TPU, "interpret_tpu"; decode
+    only, as it reads a row's keys once per query) reads them there, per device under a mesh
+    that keeps the keys' layers and sequence whole; the other paths take the row sliced out. Keys may be bf16 (scores are fp32 either way).
     """
     impl = resolve_impl(impl, "indexer_topk", supported=q.shape[1] == 1)
     streamed = key_block is not None and key_block < k.shape[-2]
-    if runs_mosaic(impl) and segment_ids is None and not streamed:
+    # the TPU kernel reads a row's keys once per query: decode (T = 1) only
+    if runs_mosaic(impl) and segment_ids is None and not streamed and q.shape[1] == 1:
         stacked = layer is not None
         keys_axes = ("layers", "batch", "cache_seq", None)
         stack = k if stacked else k[None]

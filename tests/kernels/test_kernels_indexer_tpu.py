@@ -208,3 +208,22 @@ def test_select_topk_through_the_seam_reads_the_stack_at_the_layer(mesh_spec):
     for row in range(b):
         ok = np.asarray(want[1])[row, 0]
         assert sorted(np.asarray(got[0])[row, 0][ok]) == sorted(np.asarray(want[0])[row, 0][ok])
+
+
+def test_several_queries_per_row_keep_the_xla_path():
+    """A verify step's 3 queries per row: the kernel would read the row's keys once per query,
+    so `select_topk` keeps the XLA path there (no kernel in the program); the same selection."""
+    rng = np.random.default_rng(8)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+    stack = jnp.asarray(rng.standard_normal((2, 2, 64, 32)), jnp.bfloat16)
+    args = (q, w, stack, jnp.asarray([40, 41, 42], jnp.int32), jnp.ones((2, 64), bool), jnp.int32(1))
+
+    def fn(impl):
+        return lambda *a: _indexer.select_topk(*a[:5], 8, impl=impl, layer=a[5])
+
+    assert "indexer_scores_tpu" not in str(jax.make_jaxpr(fn("interpret_tpu"))(*args))
+    one = (q[:, :1], w[:, :1], stack, args[3][:1], *args[4:])
+    assert "indexer_scores_tpu" in str(jax.make_jaxpr(fn("interpret_tpu"))(*one))
+    for got, want in zip(fn("interpret_tpu")(*args), fn("xla")(*args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -97,8 +97,8 @@ def latent_attention_sparse_tpu(
 
     Heads are padded to 8 and r, dr to whole 128-lane rows with zeros (exact). A cache whose
     rows or length are not tile-aligned (`tile_rows`) is padded here, a copy of the stacks: the
-    model's K3.1 caches (r 512, k_pe at 128 lanes, `nn.kpe_width`) are not, at lengths that are
-    multiples of 16. `interpret`: the kernel body with TPU semantics on any backend."""
+    model's K3.1 caches (r 512, k_pe at 128 lanes, `nn.kpe_width`) need no padding at lengths
+    that are multiples of 16. `interpret`: the kernel body with TPU semantics on any backend."""
     b, t, h, r = q_lat.shape
     cdt = jnp.float32 if c_kv.dtype == jnp.float32 else c_kv.dtype
     rows = tile_rows(cdt)
@@ -177,7 +177,8 @@ def indexer_topk_tpu(
 ) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """The TPU kernel path of `ops.select_topk`: the masked scores by the Mosaic kernel
     (`mosaic_indexer`, the keys' layer stack read at row `layer` in place), then `lax.top_k`
-    over the `[B, T, S]` scores (so it is meant for decode and short chunks, as the GPU path)."""
+    over the `[B, T, S]` scores. It reads a row's keys once per query, so the op takes it for
+    decode (T = 1) only."""
     b, t, hi, di = q.shape
     pos = jnp.broadcast_to(q_pos.astype(jnp.int32)[None, :], (b, t)).reshape(b * t)
     scores = indexer_scores_tpu(q.astype(jnp.float32).reshape(b * t, hi, di), w.astype(jnp.float32).reshape(b * t, hi),
