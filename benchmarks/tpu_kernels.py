@@ -12,9 +12,18 @@ Beside them, the peer: tokamax's TPU `ragged_dot` (its Mosaic grouped matmul) on
 experts in bf16 and in fp8 (it takes no packed MXFP4), same rows and widths, where tokamax is
 installed (`pip install 'k31jax[peers]'`).
 
+The activation gradient of the same grouped matmuls (training with the packed experts frozen:
+LoRA or QAT of other weights), 4,096 rows: the transposed Mosaic kernel (the fused gate/up launch
+sums both weights' terms into one dx) beside the XLA path's backward (`jax.vjp` of
+`ops.grouped_matmul`: the layer's experts decoded to bf16, `ragged_dot`'s transpose).
+
 The KDA decode step of one layer, as one device of `expert=8,tensor=8` holds it at batch 8: one
 row (the batch is split over `expert`) or all 8, of 96/8 = 12 heads with a 128 x 128 fp32 state
 each, updated in place (donated), beside the XLA path (`ops.kda_recurrent`).
+
+The KDA chunked forward of one layer for a 2,048-token prefill chunk, as one device of
+`expert=8,tensor=8` holds it: one row, 12 heads of 128 x 128, fp32 tokens, chunks of the model's
+size, the state donated, beside the XLA path (`ops.kda_chunked`).
 
 The sparse MLA attention of one layer at decode, as one device of `expert=8,tensor=8` holds it at
 batch 8: one query row, 96/8 = 12 heads, top-2,048 over the 24-layer bf16 latent stacks read at a
@@ -56,8 +65,8 @@ from k31jax import ModelConfig, aot  # noqa: E402
 from k31jax.kernels import target_tpu  # noqa: E402
 from k31jax.kernels.mxfp4_matmul import mosaic_mxfp4_gmm as mm  # noqa: E402
 from k31jax.kernels.sparse_mla import latent_attention_sparse_tpu  # noqa: E402
-from k31jax.ops import (Backends, absorb_query, grouped_matmul, kda_recurrent, mla_attention_sparse,  # noqa: E402
-                        select_topk)
+from k31jax.ops import (Backends, absorb_query, grouped_matmul, kda_chunked, kda_recurrent,  # noqa: E402
+                        mla_attention_sparse, select_topk)
 from k31jax.quant import MXFP4Weight, kernel_scale_rows  # noqa: E402
 
 MB = 1e6
@@ -113,6 +122,40 @@ def compile_case(topology: str, side: str, n_w: int, n: int, k: int, m: int, exp
     return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
 
 
+def compile_dx(topology: str, side: str, n_w: int, n: int, k: int, m: int, layers: int, experts: int):
+    """(compile s, the compiler's temporaries, `aot.analyse`) of dx for m rows through n_w
+    weights `[K -> N]` of one layer read from the stacks at a row: "kernel" the Mosaic dx launch
+    on kernel-layout stacks, "xla" the VJP of the XLA grouped matmul on the inference layout."""
+    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
+    rep = NamedSharding(mesh, P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    dys, sizes, row = [spec((m, n), jnp.bfloat16)] * n_w, spec((experts,), jnp.int32), spec((), jnp.int32)
+    if side == "kernel":
+        pair = (spec((layers, experts, k // 8, n), jnp.uint32),
+                spec((layers, experts, 1, kernel_scale_rows(k // 32), n), jnp.uint8))
+
+        def fn(sizes, row, *rest):
+            flat = rest[n_w:]
+            return mm.mxfp4_gmm_dx_tpu(list(rest[:n_w]), list(zip(flat[::2], flat[1::2])), sizes,
+                                       block_m=128, row=row, expected_rows=m)
+    else:
+        pair = (spec((layers, experts, n, k // 8), jnp.uint32), spec((layers, experts, n, k // 32), jnp.uint8))
+
+        def fn(sizes, row, *rest):
+            flat = rest[n_w:]
+            ws = [MXFP4Weight(w, sc, row) for w, sc in zip(flat[::2], flat[1::2])]
+            x = jnp.zeros((m, k), jnp.bfloat16)
+            _, vjp = jax.vjp(lambda x_: tuple(grouped_matmul(x_, w, sizes) for w in ws), x)
+            return vjp(tuple(rest[:n_w]))[0]
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(sizes, row, *dys, *pair * n_w).compile()
+    seconds = time.perf_counter() - t0
+    return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
+
+
 def compile_kda(topology: str, side: str, b: int, h: int, dk: int, dv: int):
     """(compile s, the compiler's temporaries, `aot.analyse`) of one token of the KDA recurrence
     over b rows x h heads, the state donated: "kernel" is `impl="pallas"` built for a TPU (the
@@ -129,6 +172,26 @@ def compile_kda(topology: str, side: str, b: int, h: int, dk: int, dv: int):
     t0 = time.perf_counter()
     with target_tpu():
         compiled = jax.jit(lambda *a: kda_recurrent(*a, impl=impl), donate_argnums=5).lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
+
+
+def compile_kda_chunk(topology: str, side: str, t: int, h: int, dk: int, dv: int, chunk: int):
+    """(compile s, the compiler's temporaries, `aot.analyse`) of the chunked KDA forward over one
+    row of t tokens x h heads from a donated state: "kernel" is `impl="pallas"` built for a TPU
+    (the Mosaic launch), "xla" the op's XLA path."""
+    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
+    rep = NamedSharding(mesh, P())
+
+    def spec(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)
+
+    impl = "pallas" if side == "kernel" else "xla"
+    args = (spec(1, t, h, dk), spec(1, t, h, dk), spec(1, t, h, dv), spec(1, t, h, dk), spec(1, t, h),
+            spec(1, h, dk, dv))
+    t0 = time.perf_counter()
+    with target_tpu():
+        compiled = jax.jit(lambda *a: kda_chunked(*a, chunk, impl=impl), donate_argnums=5).lower(*args).compile()
     seconds = time.perf_counter() - t0
     return seconds, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
 
@@ -245,6 +308,14 @@ def main() -> None:
                                f"{hlo.hbm_bytes / MB:8.1f} MB, {hlo.flops / 1e9:7.1f} GFLOP" + note)
                 print("\n".join(row), flush=True)
                 lines += row
+    m = ROWS["prefill"][0]
+    for topology in args.topology or TOPOLOGIES:
+        for name, (n_w, n, k) in shapes(cfg).items():
+            floor = n_w * experts * n * (k // 2 + k // 32) + n_w * m * n * 2 + m * k * 2
+            lines += op_rows(f"[{topology} {name} dx] {m:,} rows, N {n:,}, K {k:,}: all {experts} local experts "
+                             f"packed, dy read and dx written once (bf16), {floor / MB:.1f} MB", floor,
+                             "that floor's", "its BlockSpec estimate",
+                             lambda side: compile_dx(topology, side, n_w, n, k, m, layers, experts))
     h, dk, dv = cfg.kda_num_heads // TENSOR, cfg.kda_head_dim, cfg.kda_head_dim
     for topology in args.topology or TOPOLOGIES:
         for b in (1, 8):
@@ -252,6 +323,13 @@ def main() -> None:
             lines += op_rows(f"[{topology} kda decode step] {b} row(s) x {h} heads, state {dk} x {dv} fp32: "
                              f"{state / MB:.2f} MB read and written", 2 * state, "the state's",
                              "its BlockSpec estimate", lambda side: compile_kda(topology, side, b, h, dk, dv))
+    t, chunk = 2048, cfg.kda_chunk_size
+    for topology in args.topology or TOPOLOGIES:
+        moved = (t * h * (3 * dk + 2 * dv + 1) + 2 * h * dk * dv) * 4
+        lines += op_rows(f"[{topology} kda prefill chunk] 1 row x {t:,} tokens x {h} heads of {dk} x {dv}, chunks of "
+                         f"{chunk}: q, k, g, v, beta read, o written, the state read and written, fp32, "
+                         f"{moved / MB:.2f} MB", moved, "the tokens' and state's", "its BlockSpec estimate",
+                         lambda side: compile_kda_chunk(topology, side, t, h, dk, dv, chunk))
     heads = cfg.num_attention_heads // TENSOR
     for topology in args.topology or TOPOLOGIES:
         for context in (4096, 131072):

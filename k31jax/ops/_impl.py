@@ -3,11 +3,10 @@ or None / "auto".
 
 - "xla": the op's jnp path — the reference the kernels are tested against;
 - "pallas": the kernel of `k31jax.kernels` for the target platform (`kernels.kernel_platform`):
-  Pallas-Triton for a GPU; for a TPU the Pallas TPU (Mosaic) kernel where one exists
-  (`TPU_KERNELS`), else the op's XLA path;
+  Pallas-Triton for a GPU, Pallas TPU (Mosaic) for a TPU (every kernel has both);
 - "interpret": the Triton kernel body run by the Pallas interpreter (any backend: CPU tests);
 - "interpret_tpu": the Mosaic kernel body run with TPU semantics (`pltpu.InterpretParams`) on
-  any backend, where one exists; the XLA path for the other ops;
+  any backend;
 - None / "auto": the kernel only where it has passed its check on real GPU hardware
   (`VERIFIED_ON_GPU`, filled from benchmarks/RESULTS.md with the jax version it ran on), on a
   GPU backend, when the op runs on one device's data (no mesh, or inside `shard_map` over every
@@ -15,17 +14,20 @@ or None / "auto".
   everywhere and the kernels are opt-in ("pallas"). Under an automatically partitioned mesh the
   XLA path stays: XLA partitions it, while a kernel is a per-device program whose inputs the
   partitioner would have to gather. An op whose kernel works on independent slices says which
-  (`per_device`: the KDA decode step, per row and head), and an opted-in kernel then runs
-  under `shard_map` on each device's slice.
+  (`per_device`: the KDA kernels per row and head, the sparse MLA and indexer kernels per row),
+  and an opted-in kernel then runs under `shard_map` on each device's slice. No TPU kernel
+  has run on a TPU, so "auto" never picks one.
 
 The model and the engine take the whole choice as one frozen `Backends` object; its
 `kernels` field defaults to the environment variable `K31JAX_KERNELS` (one of the names
 above, or "auto"), so `K31JAX_KERNELS=xla` keeps a whole program (the engine, the CLI) on the
 XLA paths without code changes. Nothing else reads that variable.
 
-The kernels have no backward pass of their own: `with_reference_grad` gives a kernel the
-gradient of the XLA path (recomputed in the backward pass), so training through `impl="pallas"`
-differentiates exactly like the reference.
+The kernels have no backward pass of their own but one: `with_reference_grad` gives a kernel
+the gradient of the XLA path (recomputed in the backward pass), so training through
+`impl="pallas"` differentiates exactly like the reference. The Mosaic MXFP4 grouped matmul is
+the exception: its activation gradient is the transposed kernel (the packed experts are frozen
+codes with no gradient), since the XLA backward would decode a whole layer's experts to bf16.
 
 `impl` names only this seam. The other choices of `Backends` are forms of one computation,
 each typed by its own `Literal`: `MoeForm` (the routed experts' grouped matmul,
@@ -48,6 +50,7 @@ import warnings
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from ..kernels import lowering_only, runs_mosaic
 from ..sharding import current_rules, logical_to_spec
@@ -65,8 +68,6 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
-# kernels with a Pallas TPU (Mosaic) version; none has run on a TPU, so "auto" never picks them
-TPU_KERNELS = ("mxfp4_gmm", "kda_step", "sparse_mla", "indexer_topk")
 
 
 def _kernels_from_env() -> ImplChoice:
@@ -136,8 +137,6 @@ def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True
         return "pallas" if gpu and supported and kernel in VERIFIED_ON_GPU and _per_device() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
-    if runs_mosaic(impl) and kernel not in TPU_KERNELS:
-        return "xla"
     return impl
 
 
@@ -234,7 +233,8 @@ def splits_any(names: tuple, shape: tuple, which: tuple[str, ...]) -> bool:
 
 def kernel_or_reference(name: str, impl: Impl, kernel, reference, *, grad: bool = True):
     """The callable an op runs for `impl` ("pallas" / "interpret"): `kernel` differentiated as
-    `reference` (`grad=False`: `kernel` as is, for discrete outputs), or under "pallas", when
+    `reference` (`grad=False`: `kernel` as is, for discrete outputs or a kernel with its own
+    VJP), or under "pallas", when
     the kernel does not compile for these arguments here, `reference` itself (one warning per
     kernel). Programs lowered inside `kernels._common.abstract_gpu` are never compiled, so there
     the kernel is always taken."""
@@ -246,3 +246,22 @@ def kernel_or_reference(name: str, impl: Impl, kernel, reference, *, grad: bool 
         return run_kernel(*args) if _kernel_compiles(name, kernel, args) else reference(*args)
 
     return run
+
+
+def per_device_on_layer_stack(name: str, impl: Impl, kernel, reference, args: tuple, in_axes: tuple, out_axes: tuple,
+                              *, layer, whole: tuple[str, ...], grad: bool = True):
+    """`kernel_or_reference(name, impl, kernel, reference, grad=grad)(*args, layer)`, run
+    `per_device`: arguments split by `in_axes`, the result by `out_axes` (one array's axis names,
+    or a tuple of them for a tuple of arrays). The arguments whose axes start with "layers" are
+    stacks of every layer, read at row `layer`; with `layer` None they are one layer's arrays,
+    lifted to a stack of one read at row 0. Where the mesh splits any of the `whole` axes of an
+    argument (the kernel needs them whole on each device), `reference(*args, layer)` instead."""
+    if layer is None:
+        args = tuple(a[None] if names[:1] == ("layers",) else a for a, names in zip(args, in_axes))
+    args, in_axes = (*args, jnp.asarray(0 if layer is None else layer, jnp.int32)), (*in_axes, ())
+    if any(splits_any(names, a.shape, whole) for a, names in zip(args, in_axes)):
+        return reference(*args)
+    run = kernel_or_reference(name, impl, kernel, reference, grad=grad)
+    if all(n is None or isinstance(n, str) for n in out_axes):  # one array: `per_device` takes a tuple
+        return per_device(lambda *a: (run(*a),), in_axes, (out_axes,))(*args)[0]
+    return per_device(run, in_axes, out_axes)(*args)

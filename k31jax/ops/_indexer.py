@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import runs_mosaic, sparse_mla
-from ._impl import ImplChoice, kernel_or_reference, per_device, resolve_impl, splits_any
+from ._impl import ImplChoice, kernel_or_reference, per_device_on_layer_stack, resolve_impl
 from ._mla import key_document_ids, same_document
 from ._norms import layer_norm
 
@@ -77,29 +77,26 @@ def select_topk(
     layer: `k` is the index keys of every MLA layer `[Lm, B, S, dI]` and this layer's are row
     `layer` (`nn.MLALayerCache`): the TPU kernel ("pallas" for a TPU, "interpret_tpu"; decode
     only, as it reads a row's keys once per query) reads them there, per device under a mesh
-    that keeps the keys' layers and sequence whole; the other paths take the row sliced out. Keys may be bf16 (scores are fp32 either way).
+    that keeps the keys' layers and sequence whole; the other paths take the row sliced out.
+    Keys may be bf16 (scores are fp32 either way).
     """
     impl = resolve_impl(impl, "indexer_topk", supported=q.shape[1] == 1)
     streamed = key_block is not None and key_block < k.shape[-2]
-    # the TPU kernel reads a row's keys once per query: decode (T = 1) only
-    if runs_mosaic(impl) and segment_ids is None and not streamed and q.shape[1] == 1:
-        stacked = layer is not None
-        keys_axes = ("layers", "batch", "cache_seq", None)
-        stack = k if stacked else k[None]
-        if not splits_any(keys_axes, stack.shape, ("layers", "cache_seq")):
-            q, w, stack = jax.lax.stop_gradient((q, w, stack))
-            run = kernel_or_reference(
+    if runs_mosaic(impl):
+        # the TPU kernel reads a row's keys once per query: decode (T = 1) only
+        if segment_ids is None and not streamed and q.shape[1] == 1:
+            keys, selection = ("layers", "batch", "cache_seq", None), ("batch", "seq", None)
+            q, w, k = jax.lax.stop_gradient((q, w, k))
+            return per_device_on_layer_stack(
                 "indexer_topk", impl,
                 functools.partial(sparse_mla.indexer_topk_tpu, top_k=top_k, interpret=impl == "interpret_tpu"),
-                lambda q_, w_, k_, p_, v_, row: select_topk(q_, w_, k_, p_, v_, top_k, impl="xla", layer=row), grad=False)
-            selection = ("batch", "seq", None)
-            return per_device(run, (("batch", "seq", None, None), selection, keys_axes, ("seq",), ("batch", "cache_seq"),
-                                    ()), (selection, selection))(
-                q, w, stack, q_pos, key_valid, jnp.asarray(0 if layer is None else layer, jnp.int32))
+                lambda q_, w_, k_, p_, v_, row: select_topk(q_, w_, k_, p_, v_, top_k, impl="xla", layer=row),
+                (q, w, k, q_pos, key_valid),
+                (("batch", "seq", None, None), selection, keys, ("seq",), ("batch", "cache_seq")),
+                (selection, selection), layer=layer, whole=("layers", "cache_seq"), grad=False)
+        impl = "xla"  # where the TPU kernel does not run: the XLA path, never the Triton kernel below
     if layer is not None:
         k = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
-    if runs_mosaic(impl):
-        impl = "xla"
     key_docs = None
     if segment_ids is not None:
         key_docs = key_document_ids(segment_ids, kv_segment_ids, q.shape[:2], k.shape[1], "select_topk")
@@ -107,8 +104,10 @@ def select_topk(
     if impl != "xla":
         q, w, k = jax.lax.stop_gradient((q, w, k))
         return kernel_or_reference(
-            "indexer_topk", impl, functools.partial(sparse_mla.select_topk, top_k=top_k, key_block=key_block, impl=impl),
-            functools.partial(select_topk, top_k=top_k, key_block=key_block, impl="xla"), grad=False)(q, w, k, q_pos, key_valid)
+            "indexer_topk", impl,
+            functools.partial(sparse_mla.select_topk, top_k=top_k, key_block=key_block, impl=impl),
+            functools.partial(select_topk, top_k=top_k, key_block=key_block, impl="xla"),
+            grad=False)(q, w, k, q_pos, key_valid)
     s_len = k.shape[1]
     kk = min(top_k, s_len)
 

@@ -208,9 +208,10 @@ def kda_chunked(
     are ≤ 1, diagonal tiles keep `exp(where(j ≤ i, Γ_i − Γ_j, −inf))`; nothing overflows
     whatever the gate.
 
-    impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" the kernel of
-    `k31jax.kernels.kda_chunk` (chunk sizes 16-128); None / "auto" the kernel on a GPU.
-    `lower_bound` (the gate's bound, None for softplus) only lets the kernel factor its
+    impl (see `_impl.resolve_impl`): "xla" is this path; "pallas" / "interpret" /
+    "interpret_tpu" the kernels of `k31jax.kernels.kda_chunk` (chunk sizes 16-128; Triton, or
+    Mosaic for a TPU), per device under a mesh; None / "auto" the kernel on a GPU.
+    `lower_bound` (the gate's bound, None for softplus) only lets the Triton kernel factor its
     diagonal sub-chunk tiles (kda.md §6b); this path ignores it.
 
     segment_ids `[B, T]` (packed rows, 0 = padding): exactly `kda_recurrent(segment_ids=...)`,
@@ -225,9 +226,17 @@ def kda_chunked(
     if segment_ids is not None:
         impl = "xla"
     if impl != "xla":
-        return kernel_or_reference(
-            "kda_chunk", impl, functools.partial(kda_chunk.kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
-            functools.partial(kda_chunked, chunk_size=chunk_size, impl="xla"))(q, k, v, g, beta, initial_state)
+        if initial_state is None:
+            initial_state = _zero_state(q.shape[0], q.shape[2], q.shape[3], v.shape[-1])
+        run = kernel_or_reference(
+            "kda_chunk", impl,
+            functools.partial(kda_chunk.kda_chunked, chunk_size=chunk_size, lower_bound=lower_bound, impl=impl),
+            functools.partial(kda_chunked, chunk_size=chunk_size, impl="xla"))
+        # every (row, head) is its own recurrence over the whole sequence: under a mesh, each
+        # device runs its rows and heads with the tokens whole
+        tokens, state = ("batch", None, "act_heads", None), ("batch", "act_heads", None, None)
+        return per_device(run, (tokens,) * 4 + (("batch", None, "act_heads"), state),
+                          (tokens, state))(q, k, v, g, beta, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import runs_mosaic, sparse_mla
-from ._impl import ImplChoice, kernel_or_reference, per_device, resolve_impl, splits_any
+from ._impl import ImplChoice, kernel_or_reference, per_device_on_layer_stack, resolve_impl
 from ._kda import check_segment_ids
 
 _HI = jax.lax.Precision.HIGHEST
@@ -225,21 +225,15 @@ def _latent_attention_sparse_tpu(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, sca
     under a mesh; the XLA path where the mesh splits what a query needs whole (the cache's
     layers, sequence or latent), where the tiles it may read exceed `MAX_TILE_READ`x the
     selected rows, and for more than `MAX_KERNEL_QUERIES` queries per row."""
-    stacked = layer is not None
-    if not stacked:
-        c_kv, k_pe = c_kv[None], k_pe[None]
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    k, rows = idx.shape[-1], sparse_mla.tile_rows(c_kv.dtype)
+    tiles_read = min(k, -(-c_kv.shape[-2] // rows)) * rows
+    if tiles_read > MAX_TILE_READ * k or q_lat.shape[1] > MAX_KERNEL_QUERIES:
+        return _latent_attention_sparse(q_lat, q_pe, c_kv, k_pe, idx, valid, layer, scale)
     query, selection = ("batch", "seq", "act_heads", None), ("batch", "seq", None)
-    in_axes = (query, query, ("layers", "batch", "cache_seq", "kv_lora"), ("layers", "batch", "cache_seq", None),
-               selection, selection, ())
-    args = (q_lat, q_pe, c_kv, k_pe, idx, valid, layer)
-    k, s_len, rows = idx.shape[-1], c_kv.shape[2], sparse_mla.tile_rows(c_kv.dtype)
-    tiles_read = min(k, -(-s_len // rows)) * rows
-    if (tiles_read > MAX_TILE_READ * k or q_lat.shape[1] > MAX_KERNEL_QUERIES
-            or splits_any(in_axes[2], c_kv.shape, ("layers", "cache_seq", "kv_lora"))):
-        return _latent_attention_sparse(*args, scale)
-    kernel = functools.partial(sparse_mla.latent_attention_sparse_tpu, scale=scale,
-                               interpret=impl == "interpret_tpu")
-    run = kernel_or_reference("sparse_mla", impl, kernel,
-                              lambda *a: _latent_attention_sparse(*a, scale))
-    return per_device(lambda *a: (run(*a),), in_axes, (query,))(*args)[0]
+    stacks = ("layers", "batch", "cache_seq", "kv_lora"), ("layers", "batch", "cache_seq", None)
+    return per_device_on_layer_stack(
+        "sparse_mla", impl,
+        functools.partial(sparse_mla.latent_attention_sparse_tpu, scale=scale, interpret=impl == "interpret_tpu"),
+        lambda *a: _latent_attention_sparse(*a, scale),
+        (q_lat, q_pe, c_kv, k_pe, idx, valid), (query, query, *stacks, selection, selection), query,
+        layer=layer, whole=("layers", "cache_seq", "kv_lora"))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..kernels import mxfp4_matmul
+from ..kernels import mxfp4_matmul, runs_mosaic
 from ..quant import fake_quant as fake_quant_weight
 from ..quant import MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ._activations import glu
@@ -87,7 +87,8 @@ def grouped_matmul(
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
         return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
-                                   functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
+                                   functools.partial(grouped_matmul, impl="xla"),
+                                   grad=not runs_mosaic(impl))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
                                    preferred_element_type=jnp.float32)
@@ -305,8 +306,8 @@ def routed_experts(
         xs = qin(xs)
         g, u = kernel_or_reference(
             "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel),
-            lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(
-            xs, w_gate, w_up, sizes)
+            lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)),
+            grad=not runs_mosaic(kernel))(xs, w_gate, w_up, sizes)
         y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel)
         return combine(y, order, weights)
     if form in ("ragged", "blocked"):

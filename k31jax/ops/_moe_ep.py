@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..kernels import mxfp4_matmul
+from ..kernels import mxfp4_matmul, runs_mosaic
 from ..quant import MXFP4KernelWeight, MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
@@ -271,7 +271,9 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     if local_form == "kernel":
         xs = qin(xs)
 
-        # the kernel's gradients: the ragged form's (packed weights: nothing to fake-quantise)
+        # the Triton kernel's gradients: the ragged form's (packed weights: nothing to fake-quantise);
+        # the Mosaic kernel differentiates itself (the transposed kernel)
+        own_grad = runs_mosaic(kernel)
         def gate_up_reference(x_, wg, wu, sizes_):
             return tuple(ragged(x_, w, sizes_, False, False).astype(x_.dtype) for w in (wg, wu))
 
@@ -287,9 +289,9 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
 
         g, u = kernel_or_reference("mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up,
                                                                            impl=kernel, expected_rows=mean_rows),
-                                   gate_up_reference)(xs, w_gate, w_up, sizes)
+                                   gate_up_reference, grad=not own_grad)(xs, w_gate, w_up, sizes)
         h = qin(glu(g, u, hidden_act, beta_gate, beta_up))
-        y = kernel_or_reference("mxfp4_gmm", kernel, down_kernel, down_reference)(h, w_down, sizes)
+        y = kernel_or_reference("mxfp4_gmm", kernel, down_kernel, down_reference, grad=not own_grad)(h, w_down, sizes)
     elif local_form == "selected":
         d_out = _shape(w_down)[1]
         y = visit_selected_experts(xs, sizes, window, expert_rows, d_out, out_dt)

@@ -8,11 +8,13 @@ multiple of 8 (padded scale rows), a layer stack read at a row, duplicate expert
 token's top-k, the 0xFF (NaN) scale byte.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.mx import f64_gmm
+from helpers.mx import f64_gmm, f64_weight
 
 from k31jax import aot
 from k31jax.kernels.mxfp4_matmul import mosaic_mxfp4_gmm as mm
@@ -87,6 +89,75 @@ def test_routed_experts_through_the_seam_with_duplicate_experts():
     y = run(x, jnp.asarray(idx), wts, *ws, kernels="interpret_tpu")
     y_x = run(x, jnp.asarray(idx), wts, *ws, form="ragged")
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_x, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("sizes,k,dtype,block_m", [
+    ([0, 10, 0, 20, 7], 256, "float32", 16),    # empty first / middle experts, tiles across groups
+    ([0, 0, 40, 0, 0], 384, "float32", 16),     # one group longer than two row blocks; 12 scale blocks
+    ([0, 0, 0, 0, 1], 256, "bfloat16", 8),      # one row, in the last expert
+])
+def test_activation_gradient_matches_float64_and_the_xla_op(sizes, k, dtype, block_m):
+    """`mxfp4_gmm_dx_tpu`: dx = dy_gate W_gateᵀ + dy_up W_upᵀ per row's expert (the fused gate/up
+    launch's gradient), from a 2-layer stack at row 1; padding rows get zero."""
+    rng = np.random.default_rng(sum(sizes) * 7 + k)
+    e, n = len(sizes), 256
+    (pg, sg), (pu, su) = weight(rng, e, n, k, lead=(2,)), weight(rng, e, n, k, lead=(2,))
+    m = sum(sizes) + 5
+    dg, du = (rng.standard_normal((m, n)).astype(dtype) for _ in range(2))
+    pairs = [kernel_layout(jnp.asarray(p), jnp.asarray(s)) for p, s in ((pg, sg), (pu, su))]
+    dx = jax.jit(lambda a, b: mm.mxfp4_gmm_dx_tpu([a, b], pairs, jnp.asarray(sizes, jnp.int32), block_m=block_m,
+                                                  row=jnp.int32(1), interpret=True))(dg, du)
+    assert dx.dtype == dg.dtype and dx.shape == (m, k)
+    ends = np.cumsum(sizes)
+    want = np.zeros((m, k))
+    for j, (lo, hi) in enumerate(zip(ends - sizes, ends)):
+        for dy, (p, s) in ((dg, (pg, sg)), (du, (pu, su))):
+            want[lo:hi] += np.asarray(dy[lo:hi], np.float64) @ f64_weight(p[1, j], s[1, j])
+    got = np.asarray(dx, np.float64)
+    assert np.all(got[sum(sizes):] == 0)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    x = jnp.zeros((m, k), dtype)
+    wg, wu = (MXFP4Weight(jnp.asarray(p[1]), jnp.asarray(s[1])) for p, s in ((pg, sg), (pu, su)))
+    sz = jnp.asarray(sizes, jnp.int32)
+    _, vjp = jax.vjp(lambda x_: (_moe.grouped_matmul(x_, wg, sz), _moe.grouped_matmul(x_, wu, sz)), x)
+    (op,) = vjp((jnp.asarray(dg), jnp.asarray(du)))
+    op = np.asarray(op, np.float64)
+    assert np.linalg.norm(got - op) <= (1e-6 if dtype == "float32" else 4e-3) * np.linalg.norm(op)
+
+
+def test_training_through_the_seam_takes_the_kernels_own_gradient():
+    """`jax.grad` of `routed_experts(kernels="interpret_tpu")` with respect to the tokens runs the
+    transposed kernel (not the XLA path's backward) and equals the ragged XLA path's gradient."""
+    rng = np.random.default_rng(12)
+    n_tok, top, d, f, e = 9, 2, 256, 128, 6
+    idx = jnp.asarray(np.stack([rng.choice(e, top, replace=False) for _ in range(n_tok)]).astype(np.int32))
+    wts = jnp.asarray(rng.random((n_tok, top)), jnp.float32)
+    ws = [MXFP4Weight(*map(jnp.asarray, weight(rng, e, *shape))) for shape in ((f, d), (f, d), (d, f))]
+    x = jnp.asarray(rng.standard_normal((n_tok, d)) * 0.3, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((n_tok, d)), jnp.float32)
+
+    def loss(x_, **kw):
+        return jnp.sum(_moe.routed_experts(x_, idx, wts, *ws, **kw) * probe)
+
+    grad = jax.grad(functools.partial(loss, kernels="interpret_tpu"))
+    traced = str(jax.make_jaxpr(grad)(x))
+    assert "name=mxfp4_gmm_dx_tpu" in traced and "ragged_dot" not in traced
+    want = np.asarray(jax.grad(functools.partial(loss, form="ragged"))(x), np.float64)
+    got = np.asarray(grad(x), np.float64)
+    # f32 sums in another order in both passes; the SiLU gate's derivative at these weights' large
+    # pre-activations magnifies the forward's rounding (the dx launch alone agrees to 1e-6, above)
+    assert np.linalg.norm(got - want) <= 2e-4 * np.linalg.norm(want)
+
+
+def test_dx_cost_estimate_counts_the_blockspecs():
+    est = mm.dx_cost_estimate(m_pad=32, k=256, n=512, n_experts=4, n_w=2, itemsize=2, block_m=16, block_n=256)
+    tiles = 2 + 4                                   # one per row block, plus one per expert reached
+    weights = 2 * tiles * 512 * (128 + 8)           # each tile reads its expert's words and scale rows
+    dy = 2 * tiles * 16 * 512 * 2                   # and its row block of each dy, every column block
+    dx = 32 * 256 * 4                               # the f32 planes, once per row block
+    assert est.bytes_accessed == weights + dy + dx
+    assert est.flops == 2 * 2 * tiles * (2 * 16 * 256 * 256 + 2 * 32 * 8 * 256)
 
 
 def schedule_reference(sizes, m, bm):
@@ -190,6 +261,39 @@ def test_compiles_for_tpu_reading_the_stack_in_place(topology):
     assert report.flops >= est.flops and est.bytes_accessed <= report.hbm_bytes < 2 * est.bytes_accessed
     assert report.hbm_bytes < 2 * layers * e * n * (k // 2)
 
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
+def test_activation_gradient_compiles_for_tpu_reading_the_stack_in_place(topology):
+    """libtpu compiles the fused gate/up dx launch over layer stacks: no copy of a weight
+    argument, temporaries a few tiles, and the kernel counted by its BlockSpec estimate."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
+    rep = NamedSharding(mesh, P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    layers, e, n, k, m = 1024, 16, 256, 768, 64
+    words = spec((layers, e, k // 8, n), jnp.uint32)
+    scale = spec((layers, e, 1, kernel_scale_rows(k // 32), n), jnp.uint8)
+
+    def dx(dg, du, sizes, row, wg, sg, wu, su):
+        return mm.mxfp4_gmm_dx_tpu([dg, du], [(wg, sg), (wu, su)], sizes, block_m=16, row=row)
+
+    compiled = jax.jit(dx).lower(spec((m, n), jnp.bfloat16), spec((m, n), jnp.bfloat16), spec((e,), jnp.int32),
+                                 spec((), jnp.int32), words, scale, words, scale).compile()
+    text = compiled.as_text()
+    weight_copies = [line for line in text.splitlines()
+                     if " copy(" in line and any(f"op_name=\"{a}\"" in line for a in ("wg", "sg", "wu", "su"))]
+    assert not weight_copies, weight_copies[0][:200]
+    assert compiled.memory_analysis().temp_size_in_bytes < 4 << 20
+    est = mm.dx_cost_estimate(m, k, n, e, 2, 2, 16, mm.pick_block_n(n))
+    kernel = [moved for moved, name in aot.analyse(text).traffic if name.endswith("mxfp4_gmm_dx_tpu/pallas_call")]
+    assert kernel == [est.bytes_accessed]
 
 
 @pytest.mark.parametrize("mesh_spec", ["expert=4,tensor=2"])

@@ -38,22 +38,16 @@ def test_auto_follows_the_backend(monkeypatch):
         _impl.resolve_impl(None, "flash")
 
 
-def test_tpu_kernels_where_one_exists():
-    """"interpret_tpu", and "pallas" for a TPU target, take the Mosaic kernel where there is one
-    and the op's XLA path elsewhere; "auto" never picks an unverified TPU kernel."""
+def test_tpu_kernels_for_every_op():
+    """"interpret_tpu", and "pallas" for a TPU target, take every op's Mosaic kernel; "auto"
+    never picks an unverified TPU kernel."""
     from k31jax.kernels import kernel_platform, target_tpu
 
-    assert _impl.TPU_KERNELS == ("mxfp4_gmm", "kda_step", "sparse_mla", "indexer_topk")
-    assert _impl.resolve_impl("interpret_tpu", "mxfp4_gmm") == "interpret_tpu"
-    assert _impl.resolve_impl("interpret_tpu", "kda_step") == "interpret_tpu"
-    assert _impl.resolve_impl("interpret_tpu", "kda_chunk") == "xla"
+    assert {_impl.resolve_impl("interpret_tpu", k) for k in _impl.KERNELS} == {"interpret_tpu"}
     with target_tpu():
         assert kernel_platform() == "tpu"
-        assert _impl.resolve_impl("pallas", "mxfp4_gmm") == "pallas"
-        assert _impl.resolve_impl("pallas", "kda_step") == "pallas"
-        assert _impl.resolve_impl("pallas", "sparse_mla") == "pallas"
-        assert _impl.resolve_impl("pallas", "indexer_topk") == "pallas"
-        assert {_impl.resolve_impl(None, k) for k in _impl.TPU_KERNELS} == {"xla"}
+        assert {_impl.resolve_impl("pallas", k) for k in _impl.KERNELS} == {"pallas"}
+        assert {_impl.resolve_impl(None, k) for k in _impl.KERNELS} == {"xla"}
     assert kernel_platform() == jax.default_backend()
 
 

@@ -1,6 +1,7 @@
 """The kernel paths of `ops.kda_chunked` / `ops.kda_recurrent` (`impl` "pallas" | "interpret" |
-"interpret_tpu"): Pallas-Triton for both; the decode step also as a Pallas TPU (Mosaic) kernel
-(`mosaic_kda`), which "pallas" runs for a TPU and "interpret_tpu" anywhere.
+"interpret_tpu"): Pallas-Triton for both, and Pallas TPU (Mosaic) kernels for both (the chunked
+forward `mosaic_kda_chunk`, the decode step `mosaic_kda`), which "pallas" runs for a TPU and
+"interpret_tpu" anywhere.
 
 Dtype policy: q, k, v, g, β may be bf16; everything is upcast to fp32 (the recurrence is an
 fp32 island, kda.md §5-§6) and the outputs and state are fp32, exactly as the XLA ops.
@@ -15,6 +16,7 @@ from jaxtyping import Array, Float
 from .._common import pad_axis, pow2_at_least, runs_mosaic
 from . import pallas_kda
 from .mosaic_kda import kda_decode_tpu
+from .mosaic_kda_chunk import kda_chunk_tpu
 
 CHUNK_SIZES = (16, 32, 64, 128)  # the chunk sizes the kernel takes
 
@@ -48,10 +50,16 @@ def kda_chunked(
 
     Chunk sizes 16, 32, 64, 128 run on the kernel; any T (zero-padded to a multiple of the
     chunk, an exact identity step) and any head width (zero-padded to a power of two ≥ 16).
+    For a TPU (`runs_mosaic`) one launch does it all (`mosaic_kda_chunk.kda_chunk_tpu`: fp32
+    matmuls at `Precision.HIGHEST`, the explicit diagonal decay whatever the gate, so
+    `lower_bound` and `precision` change nothing there).
     """
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"kda_chunked kernel: chunk_size={chunk_size} not in {CHUNK_SIZES}")
     b, t, h, dk = q.shape
+    if runs_mosaic(impl):
+        state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
+        return kda_chunk_tpu(q, k, v, g, beta, state, chunk=chunk_size, interpret=impl == "interpret_tpu")
     dv = v.shape[-1]
     c = chunk_size
     tp = -(-t // c) * c

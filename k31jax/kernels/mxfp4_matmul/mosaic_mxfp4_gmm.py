@@ -31,6 +31,14 @@ in VMEM across them and each tile writes only its expert's rows (the first tile 
 writes zeros elsewhere: rows outside every group are 0, as in `lax.ragged_dot`). Every row
 block has at least one tile. Unused tiles repeat the last used tile's block indices, so they
 move no data, and do no work.
+
+The activation gradient `dx_m = Σ_i W_{i,e(m)}ᵀ dy_{i,m}` (`mxfp4_gmm_dx_tpu`; the packed
+weights themselves are frozen: they have no gradient) is the same schedule transposed: grid
+(tiles, N / BN) with N the reduction, each plane decoded as above and multiplied as
+`dy · W_pᵀ -> [BM, K/8]` (plane p of dx, columns 8r + p, un-permuted outside), accumulated in
+f32 in the row block's `[8, BM, K/8]` output block, which stays in VMEM across the block's tiles
+and column blocks. A tile with no rows freezes its column-block index at the last one, so it
+fetches nothing. For the fused gate/up launch one dx sums both weights' terms.
 """
 
 from __future__ import annotations
@@ -250,3 +258,119 @@ def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret:
     )
     outs = fn(layer, grp, blk, lo, hi, fresh, x_planes(x, m_pad), *[a for pair in weights for a in pair])
     return tuple(o[:m] for o in outs)
+
+
+def _dx_kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, *refs, n_w: int, block_m: int):
+    del row_ref, grp_ref  # used by the index maps
+    dy_refs, w_refs, dx_ref = refs[:n_w], refs[n_w:3 * n_w], refs[3 * n_w]
+    t, nb = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[t], hi_ref[t]
+    rows = blk_ref[t] * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+    mine = (rows >= lo) & (rows < hi)
+    dt = dy_refs[0].dtype
+    prec = jax.lax.Precision.HIGHEST if dt == F32 else jax.lax.Precision.DEFAULT
+
+    @pl.when((fresh_ref[t] == 1) & (nb == 0))
+    def _():
+        dx_ref[...] = jnp.zeros(dx_ref.shape, dx_ref.dtype)
+
+    @pl.when(hi > lo)
+    def _():
+        for i in range(n_w):
+            dy = jnp.where(mine, dy_refs[i][...], jnp.zeros((), dt))  # other experts' rows contribute nothing
+            words = pltpu.bitcast(w_refs[2 * i][...], jnp.int32)  # [K/8, BN]
+            factor = word_scales(w_refs[2 * i + 1][...], words.shape[0])
+            for p in range(PLANES):
+                w_p = (e2m1_values((words >> (4 * p)) & 0xF, F32) * factor).astype(dt)
+                dx_ref[p] = dx_ref[p] + jax.lax.dot_general(dy, w_p, (((1,), (1,)), ((), ())), precision=prec,
+                                                            preferred_element_type=F32)
+
+
+def dx_cost_estimate(m_pad: int, k: int, n: int, n_experts: int, n_w: int, itemsize: int, block_m: int,
+                     block_n: int, rows: int | None = None) -> pl.CostEstimate:
+    """What the dx grid's DMAs move and the MXU does, from its BlockSpecs: per tile with rows,
+    every column block of its expert's words and scale rows and of dy's `[BM, BN]` rows (both
+    re-read for each tile: N is the inner, reduction axis), dx's `[8, BM, K/8]` f32 block written
+    once per row block; products and the scale widening per tile and column block. The tiles,
+    as `cost_estimate`: min(E, M) experts' worth (or their expectation at `rows`) plus one per
+    row block."""
+    if rows is None:
+        experts, busy = min(n_experts, m_pad), m_pad
+    else:
+        experts, busy = n_experts * (1 - (1 - 1 / n_experts) ** rows), min(rows, m_pad)
+    tiles = -(-busy // block_m) + experts
+    weight_bytes = n_w * tiles * n * (k // 2 + kernel_scale_rows(k // 32))
+    dy_bytes = n_w * tiles * block_m * n * itemsize
+    dx_bytes = m_pad * k * 4
+    products = 2 * block_m * k * block_n + 2 * (k // 8) * kernel_scale_rows(k // 32) * block_n
+    flops = n_w * (n // block_n) * tiles * products
+    return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(weight_bytes + dy_bytes + dx_bytes))
+
+
+def mxfp4_gmm_dx_tpu(dys, weights, group_sizes, *, block_m: int, row=None, interpret: bool = False,
+                     block_n: int | None = None, expected_rows: int | None = None):
+    """The activation gradient of `mxfp4_gmm_tpu`: dys, one `[M, N]` per weight (rows sorted by
+    expert, in the forward's x dtype), weights and `row` as `mxfp4_gmm_tpu` takes them. Returns
+    dx `[M, K]` = Σ_i dy_i W_iᵀ per row's expert, in dy's dtype (f32 accumulation)."""
+    m, n = dys[0].shape
+    words0 = weights[0][0]
+    stacked = row is not None
+    *lead, e, k8, n_w_cols = words0.shape
+    if n_w_cols != n or any(tuple(d.shape) != (m, n) for d in dys):
+        raise ValueError(f"mxfp4 TPU grouped matmul dx: dy shapes {[tuple(d.shape) for d in dys]}, expected "
+                         f"{(m, n_w_cols)} for words {tuple(words0.shape)}")
+    if len(dys) != len(weights):
+        raise ValueError(f"mxfp4 TPU grouped matmul dx: {len(dys)} dy for {len(weights)} weights")
+    k = k8 * PLANES
+    bn = block_n or pick_block_n(n)
+    n_nb = n // bn
+    m_pad = -(-m // block_m) * block_m
+    grp, blk, lo, hi, fresh = tpu_tile_schedule(group_sizes, m, block_m)
+    rows = row if isinstance(row, (list, tuple)) else [row] * len(weights)
+    layer = jnp.stack([jnp.asarray(0 if r is None else r, jnp.int32).reshape(()) for r in rows])
+
+    def col_block(t, nb, lo_r, hi_r):  # a tile with no rows keeps the last column block: no fetch
+        return jnp.where(hi_r[t] > lo_r[t], nb, n_nb - 1)
+
+    def dy_map(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
+        return (blk_r[t], col_block(t, nb, lo_r, hi_r))
+
+    def w_map(i):
+        def index(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
+            c = col_block(t, nb, lo_r, hi_r)
+            return (row_r[i], grp_r[t], 0, c) if stacked else (grp_r[t], 0, c)
+        return index
+
+    def s_map(i):
+        def index(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
+            c = col_block(t, nb, lo_r, hi_r)
+            return (row_r[i], grp_r[t], 0, 0, c) if stacked else (grp_r[t], 0, 0, c)
+        return index
+
+    def dx_map(t, nb, row_r, grp_r, blk_r, *_):
+        return (0, blk_r[t], 0)
+
+    squeezed = (None, None) if stacked else (None,)
+    w_specs = []
+    for i in range(len(weights)):
+        w_specs += [pl.BlockSpec((*squeezed, k8, bn), w_map(i)),
+                    pl.BlockSpec((*squeezed, None, kernel_scale_rows(k // 32), bn), s_map(i))]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(grp.shape[0], n_nb),
+        in_specs=[pl.BlockSpec((block_m, bn), dy_map) for _ in dys] + w_specs,
+        out_specs=pl.BlockSpec((PLANES, block_m, k8), dx_map),
+    )
+    fn = pl.pallas_call(
+        functools.partial(_dx_kernel, n_w=len(weights), block_m=block_m),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((PLANES, m_pad, k8), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        cost_estimate=dx_cost_estimate(m_pad, k, n, e, len(weights), dys[0].dtype.itemsize, block_m, bn,
+                                       expected_rows),
+        name="mxfp4_gmm_dx_tpu",
+    )
+    padded = [jnp.pad(d, [(0, m_pad - m), (0, 0)]) if m_pad != m else d for d in dys]
+    planes = fn(layer, grp, blk, lo, hi, fresh, *padded, *[a for pair in weights for a in pair])
+    return planes[:, :m].transpose(1, 2, 0).reshape(m, k).astype(dys[0].dtype)

@@ -10,15 +10,22 @@ in the activation dtype, products accumulate in fp32 and each 32-block's E8M0 sc
 to its fp32 partial product (exact powers of two), the result is cast back to the activation
 dtype — the contract of `ops.grouped_matmul`, equal to it up to fp32 accumulation order.
 Float (non-MXFP4) weights (including the QAT fake-quant path) are the op's XLA path only.
+
+Gradients: the Mosaic path differentiates itself — the activation gradient is the transposed
+kernel (`mosaic_mxfp4_gmm.mxfp4_gmm_dx_tpu`: the packed experts decoded in VMEM again, never
+widened in HBM), and the packed weights, frozen integer codes, get none — so the ops call it
+without `with_reference_grad`. The Triton path takes the XLA path's gradient.
 """
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ...quant import MXFP4KernelWeight, MXFP4Weight, kernel_layout
 from .._common import pow2_at_least, runs_mosaic
-from .mosaic_mxfp4_gmm import mxfp4_gmm_tpu
+from .mosaic_mxfp4_gmm import mxfp4_gmm_dx_tpu, mxfp4_gmm_tpu
 from .pallas_mxfp4_gmm import mxfp4_gmm
 
 
@@ -43,13 +50,39 @@ def _launch(x_sorted, weights, group_sizes, impl: str, block_m: int, out_dtype=N
     the Triton one rounds to x's dtype first). `expected_rows`: the rows expected in groups
     (default all), for the Mosaic kernel's cost estimate."""
     if runs_mosaic(impl):
-        pairs, row = _tpu_pairs(weights)
-        return mxfp4_gmm_tpu(x_sorted, pairs, group_sizes, block_m=block_m, row=row,
-                             interpret=impl == "interpret_tpu", out_dtype=out_dtype,
-                             expected_rows=expected_rows or x_sorted.shape[0])
+        return _mosaic_launch(x_sorted, tuple(weights), group_sizes, block_m=block_m, out_dtype=out_dtype,
+                              expected_rows=expected_rows or x_sorted.shape[0], interpret=impl == "interpret_tpu")
     pairs = [w.as_bytes()[:2] for w in weights]
     outs = mxfp4_gmm(x_sorted, pairs, group_sizes, impl=impl, block_m=block_m)
     return tuple(o.astype(out_dtype or o.dtype) for o in outs)
+
+
+def _no_gradient(a):
+    return np.zeros(np.shape(a), jax.dtypes.float0)
+
+
+def _mosaic_launch(x_sorted, weights: tuple, group_sizes, *, block_m: int, out_dtype, expected_rows: int,
+                   interpret: bool):
+    """The Mosaic launch, differentiated by the transposed kernel (module docstring)."""
+
+    @jax.custom_vjp
+    def run(x, ws, sizes):
+        pairs, row = _tpu_pairs(ws)
+        return mxfp4_gmm_tpu(x, pairs, sizes, block_m=block_m, row=row, interpret=interpret, out_dtype=out_dtype,
+                             expected_rows=expected_rows)
+
+    def forward(x, ws, sizes):
+        return run(x, ws, sizes), (ws, sizes)
+
+    def backward(saved, dys):
+        ws, sizes = saved
+        pairs, row = _tpu_pairs(ws)
+        dx = mxfp4_gmm_dx_tpu([d.astype(x_sorted.dtype) for d in dys], pairs, sizes, block_m=block_m, row=row,
+                              interpret=interpret, expected_rows=expected_rows)
+        return (dx, *jax.tree.map(_no_gradient, (ws, sizes)))
+
+    run.defvjp(forward, backward)
+    return run(x_sorted, weights, group_sizes)
 
 
 def _check_packed(w) -> None:

@@ -74,9 +74,10 @@ def cost_estimate(n: int, hi: int, di: int, s_pad: int, block_s: int, k_itemsize
     multiple of 8, `s_pad` = S rounded up to `block_s`). Once per row: q `[hi, di]` and w
     `[1, hi]` fp32 (their block index is constant along the key axis) and its int32 position
     (scalar prefetch). Per step: the k block `[block_s, di]` (k_itemsize bytes) and the int32
-    validity row `[1, block_s]` read, one fp32 score row `[1, block_s]` written. Flops per step: the matmul 2·hi·di·block_s, ReLU, the
-    head weight and the head sum 3·hi·block_s, the scale block_s. An upper bound: steps after a
-    query's position fetch nothing and compute nothing, and the last k block may be partial."""
+    validity row `[1, block_s]` read, one fp32 score row `[1, block_s]` written. Flops per step:
+    the matmul 2·hi·di·block_s, ReLU, the head weight and the head sum 3·hi·block_s, the scale
+    block_s. An upper bound: steps after a query's position fetch nothing and compute nothing,
+    and the last k block may be partial."""
     steps = n * (s_pad // block_s)
     per_row = (hi * di + hi) * 4 + 4
     per_step = block_s * di * k_itemsize + block_s * 4 + block_s * 4

@@ -72,8 +72,9 @@ def tile_slots(k: int, s_len: int, rows: int, block_t: int) -> int:
 def cost_estimate(n: int, hp: int, r: int, p: int, k: int, s_len: int, dtype, block_t: int) -> pl.CostEstimate:
     """From the grid `(n, slots / block_t)` and the blocks: per query, q̃ `[hp, r]` and q_pe
     `[hp, p]` fetched once (their block does not change along a query's blocks) and ô `[hp, r]`
-    fp32 written once; per block, its rows' codes (int32) and its tile ids; and at most `slots` tiles DMA'd (`rows` rows of `r + p` lanes each, the kernel skips
-    the rest; `dtype` is the caches'). Per row DMA'd: 2·hp·(r + p) flops of logits, 2·hp·r of `p · c_kv` and hp exps."""
+    fp32 written once; per block, its rows' codes (int32) and its tile ids; and at most `slots`
+    tiles DMA'd (`rows` rows of `r + p` lanes each, the kernel skips the rest; `dtype` is the
+    caches'). Per row DMA'd: 2·hp·(r + p) flops of logits, 2·hp·r of `p · c_kv` and hp exps."""
     rows, itemsize = tile_rows(dtype), jnp.dtype(dtype).itemsize
     slots = tile_slots(k, s_len, rows, block_t)
     read_rows = slots * rows
@@ -170,7 +171,8 @@ def sparse_mla_tpu(q_lat, q_pe, c_kv, k_pe, idx, code, layer, *, seq_len: int, s
     n_blocks = slots // block_t
     prec = jax.lax.Precision.HIGHEST if c_kv.dtype == F32 else jax.lax.Precision.DEFAULT
     per_query = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, *_: (i,) + (0,) * len(shape))  # noqa: E731
-    per_block = lambda *shape, **kw: pl.BlockSpec((None, None, *shape), lambda i, j, *_: (i, j, 0, 0), **kw)  # noqa: E731
+    per_block = lambda *shape, **kw: pl.BlockSpec(  # noqa: E731
+        (None, None, *shape), lambda i, j, *_: (i, j, 0, 0), **kw)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(n, n_blocks),
         in_specs=[per_block(1, block_t, memory_space=pltpu.SMEM), per_query(hp, r), per_query(hp, p),
