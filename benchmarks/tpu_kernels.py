@@ -8,7 +8,8 @@ buffer of the expert exchange, 8 peers x 16 assignments) and 4,096 for a prefill
 tokens, 16 assignments each, over 8 expert shards). The compiler is deterministic: one compile
 per case; only the compile times depend on the host. Needs the `tpu` extra (libtpu).
 
-Beside them, the peer: tokamax's TPU `ragged_dot` (its Mosaic grouped matmul) on one layer's
+On tpu7x, the only generation whose MXU multiplies fp8, the kernel also with e4m3 MXU inputs
+(`mxu="fp8"`, what MXFP8 activations get there). Beside them, the peer: tokamax's TPU `ragged_dot` (its Mosaic grouped matmul) on one layer's
 experts in bf16 and in fp8 (it takes no packed MXFP4), same rows and widths, where tokamax is
 installed (`pip install 'k31jax[peers]'`).
 
@@ -105,12 +106,12 @@ def compile_case(topology: str, side: str, n_w: int, n: int, k: int, m: int, exp
             compiled = jax.jit(lambda x, w, g: tokamax.ragged_dot(x, w, g, preferred_element_type=jnp.float32,
                                                                   implementation="mosaic")).lower(x, weights, sizes).compile()
         return time.perf_counter() - t0, compiled.memory_analysis().temp_size_in_bytes, aot.analyse(compiled.as_text())
-    if side == "kernel":
+    if side.startswith("kernel"):  # "kernel-fp8": e4m3 MXU inputs (MXFP8 activations on a TPU7x)
         pair = (spec((layers, experts, k // 8, n), jnp.uint32), spec((layers, experts, 1, kernel_scale_rows(k // 32), n), jnp.uint8))
 
         def fn(x, sizes, row, *flat):
             return mm.mxfp4_gmm_tpu(x, list(zip(flat[::2], flat[1::2])), sizes, block_m=16 if m <= 128 else 128,
-                                    row=row, expected_rows=expected)
+                                    row=row, expected_rows=expected, mxu="fp8" if side == "kernel-fp8" else "bf16")
     else:  # the XLA path: the accelerator inference layout (words, scale bytes), ragged_dot
         pair = (spec((layers, experts, n, k // 8), jnp.uint32), spec((layers, experts, n, k // 32), jnp.uint8))
 
@@ -294,13 +295,15 @@ def main() -> None:
                 row = [f"[{topology} {step} {name}] {m:,} rows ({expected:,} expected in groups), N {n:,}, "
                        f"K {k:,}; one expert packed {packed / MB:.2f} MB, the {chosen:.1f} expected chosen {chosen * packed / MB:.1f} MB, all "
                        f"{experts} {experts * packed / MB:.1f} MB"]
-                for side in ("kernel", "xla", *(PEERS if has_tokamax else ())):
+                fp8 = ("kernel-fp8",) if topology.startswith("tpu7x") else ()  # the one MXU that takes fp8
+                for side in ("kernel", *fp8, "xla", *(PEERS if has_tokamax else ())):
                     try:
                         sec, temp, hlo = compile_case(topology, side, n_w, n, k, m, expected, layers, experts)
                     except Exception as exc:  # noqa: BLE001 - report what the compiler said
                         row.append(f"  {side:<6} does not compile: {str(exc).splitlines()[0][:200]}")
                         continue
                     note = {"kernel": " (its BlockSpec estimate at the expected experts)",
+                            "kernel-fp8": " (e4m3 MXU inputs; the same DMAs)",
                             "xla": ""}.get(side, f" (declares no cost estimate: counted by its operands, all "
                                                  f"{experts} experts; the {chosen:.1f} expected chosen hold "
                                                  f"{chosen * n_w * n * k * (2 if side.endswith('bf16') else 1) / MB:.1f} MB)")

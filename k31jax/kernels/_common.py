@@ -48,6 +48,17 @@ def runs_mosaic(impl: str) -> bool:
     return impl == "interpret_tpu" or (impl == "pallas" and kernel_platform() == "tpu")
 
 
+def tpu_device_kind() -> str | None:
+    """The device kind of the TPU the program is built for ("TPU v5", "TPU7x", ...): the active
+    mesh's device (a deviceless compile's topology, inside `target_tpu`), else this host's TPU;
+    None for other platforms."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is not None and device.platform == "tpu":
+        return device.device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
 @contextlib.contextmanager
 def target_tpu():
     """Build kernels for a TPU inside this context ("pallas" picks the Mosaic kernels), as

@@ -7,16 +7,15 @@ or None / "auto".
 - "interpret": the Triton kernel body run by the Pallas interpreter (any backend: CPU tests);
 - "interpret_tpu": the Mosaic kernel body run with TPU semantics (`pltpu.InterpretParams`) on
   any backend;
-- None / "auto": the kernel only where it has passed its check on real GPU hardware
-  (`VERIFIED_ON_GPU`, filled from benchmarks/RESULTS.md with the jax version it ran on), on a
-  GPU backend, when the op runs on one device's data (no mesh, or inside `shard_map` over every
-  mesh axis larger than one); else "xla". No kernel has run on a GPU yet, so "auto" is XLA
-  everywhere and the kernels are opt-in ("pallas"). Under an automatically partitioned mesh the
+- None / "auto": the kernel only where it has passed its check on real hardware of the target
+  platform (`VERIFIED_ON_GPU`, `VERIFIED_ON_TPU`, filled from benchmarks/RESULTS.md with the
+  versions it ran on), when the op runs on one device's data (no mesh, or inside `shard_map`
+  over every mesh axis larger than one); else "xla". No kernel has run on a GPU or a TPU yet,
+  so "auto" is XLA everywhere and the kernels are opt-in ("pallas"). Under an automatically partitioned mesh the
   XLA path stays: XLA partitions it, while a kernel is a per-device program whose inputs the
   partitioner would have to gather. An op whose kernel works on independent slices says which
   (`per_device`: the KDA kernels per row and head, the sparse MLA and indexer kernels per row),
-  and an opted-in kernel then runs under `shard_map` on each device's slice. No TPU kernel
-  has run on a TPU, so "auto" never picks one.
+  and an opted-in kernel then runs under `shard_map` on each device's slice.
 
 The model and the engine take the whole choice as one frozen `Backends` object; its
 `kernels` field defaults to the environment variable `K31JAX_KERNELS` (one of the names
@@ -52,7 +51,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from ..kernels import lowering_only, runs_mosaic
+from ..kernels import kernel_platform, lowering_only, runs_mosaic
 from ..sharding import current_rules, logical_to_spec
 
 Impl = Literal["xla", "pallas", "interpret", "interpret_tpu"]  # a resolved choice of the kernel seam
@@ -68,6 +67,10 @@ KERNELS = ("kda_chunk", "kda_step", "sparse_mla", "indexer_topk", "mxfp4_gmm")
 # kernel -> the jax version its check passed on, on real GPU hardware (benchmarks/gpu_kernels.py,
 # recorded in benchmarks/RESULTS.md). Until then "auto" keeps that op on its XLA path.
 VERIFIED_ON_GPU: dict[str, str] = {}
+# kernel -> the jax and libtpu versions and the device kind its Mosaic kernel's check passed on,
+# on a real TPU (benchmarks/tpu_check.py prints these lines). Until then "auto" keeps that op on
+# its XLA path when building for a TPU.
+VERIFIED_ON_TPU: dict[str, str] = {}
 
 
 def _kernels_from_env() -> ImplChoice:
@@ -133,8 +136,8 @@ def resolve_impl(impl: ImplChoice | None, kernel: str, *, supported: bool = True
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if impl is None or impl == "auto":
-        gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and supported and kernel in VERIFIED_ON_GPU and _per_device() else "xla"
+        verified = {"gpu": VERIFIED_ON_GPU, "tpu": VERIFIED_ON_TPU}.get(kernel_platform(), {})
+        return "pallas" if supported and kernel in verified and _per_device() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS} or 'auto'")
     return impl

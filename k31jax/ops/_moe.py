@@ -77,16 +77,20 @@ def grouped_matmul(
     weight_fake_quant: bool = False,
     *,
     impl: ImplChoice | None = "xla",
+    mxfp8_activations: bool = False,
 ) -> Float[Array, "M out"]:
     """`y_m = W_{e(m)} x_m` for rows sorted by expert, via `lax.ragged_dot_general` (f32 acc).
 
     impl (see `_impl.resolve_impl`): "xla" (the default here; `routed_experts` chooses) is
     this path; "pallas" / "interpret" the in-kernel-dequantising grouped matmul of
     `k31jax.kernels.mxfp4_matmul` for an `MXFP4Weight` (float weights stay on this path).
+    `mxfp8_activations`: x holds MXFP8 values, which a TPU kernel may multiply in fp8
+    (`kernels.mxfp4_matmul.mxu_inputs`); no effect on this path.
     """
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
-        return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl),
+        return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl,
+                                                                          mxfp8_activations=mxfp8_activations),
                                    functools.partial(grouped_matmul, impl="xla"),
                                    grad=not runs_mosaic(impl))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
@@ -305,10 +309,12 @@ def routed_experts(
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
         g, u = kernel_or_reference(
-            "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel),
+            "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel,
+                                                   mxfp8_activations=activation_fake_quant),
             lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)),
             grad=not runs_mosaic(kernel))(xs, w_gate, w_up, sizes)
-        y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel)
+        y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel,
+                           mxfp8_activations=activation_fake_quant)
         return combine(y, order, weights)
     if form in ("ragged", "blocked"):
         xs, order, sizes = permute(x, idx, num_experts)

@@ -285,10 +285,11 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
 
         def down_kernel(h_, wd, sizes_):
             return mxfp4_matmul.grouped_matmul(h_, wd, sizes_, impl=kernel, out_dtype=out_dt,
-                                               expected_rows=mean_rows)
+                                               expected_rows=mean_rows, mxfp8_activations=activation_fake_quant)
 
         g, u = kernel_or_reference("mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up,
-                                                                           impl=kernel, expected_rows=mean_rows),
+                                                                           impl=kernel, expected_rows=mean_rows,
+                                                                           mxfp8_activations=activation_fake_quant),
                                    gate_up_reference, grad=not own_grad)(xs, w_gate, w_up, sizes)
         h = qin(glu(g, u, hidden_act, beta_gate, beta_up))
         y = kernel_or_reference("mxfp4_gmm", kernel, down_kernel, down_reference, grad=not own_grad)(h, w_down, sizes)

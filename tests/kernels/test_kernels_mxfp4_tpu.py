@@ -22,6 +22,18 @@ from k31jax.ops import _moe
 from k31jax.ops._moe import MXFP4Weight
 from k31jax.quant import kernel_layout, kernel_scale_rows
 
+needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not installed (pip install 'k31jax[tpu]')")
+
+
+def one_chip(topology):
+    """`spec(shape, dtype)`: an abstract argument on one chip of a deviceless TPU topology."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rep = NamedSharding(Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",)), P())
+    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+
 def weight(rng, e, n, k, lead=()):
     packed = rng.integers(0, 256, (*lead, e, n, k // 2)).astype(np.uint8)
     scale = rng.integers(118, 136, (*lead, e, n, k // 32)).astype(np.uint8)
@@ -160,6 +172,74 @@ def test_dx_cost_estimate_counts_the_blockspecs():
     assert est.flops == 2 * 2 * tiles * (2 * 16 * 256 * 256 + 2 * 32 * 8 * 256)
 
 
+def test_fp8_mxu_inputs_on_mxfp8_activations():
+    """`mxu="fp8"` (e4m3 on both MXU sides) on MXFP8 activations equals float64 and the bf16 path
+    to f32 accumulation and the rounding of values 2^16 below their row's largest (at most 2^-17
+    of it); a column whose block scales span more than 8 octaves, and a NaN scale, make their
+    tile take the bf16 path: equal to it exactly."""
+    from k31jax.quant import mx_fake_quant_activations
+
+    rng = np.random.default_rng(21)
+    sizes, k, n = [0, 10, 0, 20, 7], 256, 256
+    packed, scale = weight(rng, len(sizes), n, k)
+    scale = (scale % 8 + 120).astype(np.uint8)  # each column's block scales within 8 octaves
+    m = sum(sizes) + 5
+    raw = jnp.asarray(rng.standard_normal((m, k)) * np.exp2(rng.integers(-6, 6, (m, 1))), jnp.bfloat16)
+    x = mx_fake_quant_activations(raw, "e4m3", "rceil").astype(jnp.bfloat16)
+    x8, shift = mm._fp8_rows(mm.x_planes(x, m))
+    rounded = np.stack([np.asarray(a.astype(jnp.float32)) for a in x8]) * np.asarray(shift)
+    exact = np.asarray(mm.x_planes(x, m), np.float32)
+    row_max = np.abs(exact).max(axis=(0, 2), keepdims=True)
+    assert np.all(np.abs(rounded - exact) <= 2.0 ** -17 * row_max)
+
+    def run(p, sc, mxu):
+        (y,) = jax.jit(lambda v: mm.mxfp4_gmm_tpu(v, [kernel_layout(jnp.asarray(p), jnp.asarray(sc))],
+                                                  jnp.asarray(sizes, jnp.int32), block_m=16, interpret=True,
+                                                  out_dtype=jnp.float32, mxu=mxu))(x)
+        return np.asarray(y, np.float64)
+
+    want = f64_gmm(x, packed, scale, sizes)
+    fp8, bf16 = run(packed, scale, "fp8"), run(packed, scale, "bf16")
+    assert not np.array_equal(fp8, bf16)  # the fp8 path ran
+    assert np.linalg.norm(fp8 - want) <= 1e-5 * np.linalg.norm(want)
+    assert np.linalg.norm(fp8 - bf16) <= 1e-5 * np.linalg.norm(want)
+    spread = scale.copy()
+    spread[:, 7, 0] = 100  # column 7's first block 2^-27, its others 2^-7..2^0
+    spread[:, 9, 1] = 255  # NaN
+    a, b = run(packed, spread, "fp8"), run(packed, spread, "bf16")
+    np.testing.assert_array_equal(a, b)
+    assert np.isnan(a[:sum(sizes), 9]).all()
+    with pytest.raises(ValueError, match=r"mxu='int8', expected one of \('bf16', 'fp8'\)"):
+        mm.mxfp4_gmm_tpu(x, [kernel_layout(jnp.asarray(packed), jnp.asarray(scale))],
+                         jnp.asarray(sizes, jnp.int32), block_m=16, interpret=True, mxu="int8")
+
+
+@needs_libtpu
+def test_fp8_mxu_inputs_only_where_the_mxu_takes_fp8():
+    """`mxu_inputs`: fp8 for MXFP8 activations on TPU7x (the generation whose MXU multiplies fp8),
+    bf16 on v5e / v5p / v6e, for bf16 activations, and on this CPU host."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from k31jax.kernels.mxfp4_matmul import mxu_inputs
+
+    chosen = {}
+    for topology in ("v5e:2x2", "v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"):
+        mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            chosen[topology] = (mxu_inputs(True), mxu_inputs(False))
+    assert chosen == {"v5e:2x2": ("bf16", "bf16"), "v5p:2x2x1": ("bf16", "bf16"), "v6e:2x2": ("bf16", "bf16"),
+                      "tpu7x:2x2x1": ("fp8", "bf16")}
+    assert mxu_inputs(True) == "bf16"  # no TPU here
+    # inside the expert-parallel shard_map of a program built for a TPU7x slice, as `k31jax.aot` builds it
+    mesh = Mesh(np.asarray(aot.tpu_devices("tpu7x:2x2x1")), ("x",))
+    inside = []
+    with jax.set_mesh(mesh):
+        jax.jit(jax.shard_map(lambda a: inside.append(mxu_inputs(True)) or a, in_specs=P("x"), out_specs=P("x"))
+                ).trace(jax.ShapeDtypeStruct((8,), jnp.float32))
+    assert inside == ["fp8"]
+
+
 def schedule_reference(sizes, m, bm):
     """The schedule's rules read plainly: (row block, expert) pairs that intersect, in row
     order; one empty tile per row block no group reaches; the rest repeat the last one."""
@@ -222,7 +302,6 @@ def test_bad_inputs_name_what_was_expected():
         mm.mxfp4_gmm_tpu(x, [(words, scale)], jnp.ones(2, jnp.int32), block_m=8, row=0, interpret=True)
 
 
-needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not installed (pip install 'k31jax[tpu]')")
 
 
 @needs_libtpu
@@ -230,14 +309,7 @@ needs_libtpu = pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu not
 def test_compiles_for_tpu_reading_the_stack_in_place(topology):
     """libtpu compiles the fused gate/up launch over a layer stack; the stacks reach the kernel
     as they are (no copy of a weight argument) and the temporaries are a few tiles."""
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
-    rep = NamedSharding(mesh, P())
-
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+    spec = one_chip(topology)
 
     layers, e, n, k, m = 1024, 16, 256, 768, 64  # stacks larger than any VMEM (none prefetched whole)
     words = spec((layers, e, k // 8, n), jnp.uint32)
@@ -264,18 +336,33 @@ def test_compiles_for_tpu_reading_the_stack_in_place(topology):
 
 
 @needs_libtpu
+def test_fp8_mxu_inputs_compile_for_tpu7x():
+    """The fused gate/up launch with `mxu="fp8"` (e4m3 operands, the bf16 fall-back beside them)
+    compiles for TPU7x at a K3.1 Pro device's decode shapes, from the layer stacks in place."""
+    spec = one_chip("tpu7x:2x2x1")
+
+    layers, e, n, k, m = 92, 112, 384, 3584, 128
+    words = spec((layers, e, k // 8, n), jnp.uint32)
+    scale = spec((layers, e, 1, kernel_scale_rows(k // 32), n), jnp.uint8)
+
+    def gate_up(x, sizes, row, wg, sg, wu, su):
+        return mm.mxfp4_gmm_tpu(x, [(wg, sg), (wu, su)], sizes, block_m=16, row=row, mxu="fp8", expected_rows=16)
+
+    compiled = jax.jit(gate_up).lower(spec((m, k), jnp.bfloat16), spec((e,), jnp.int32), spec((), jnp.int32),
+                                      words, scale, words, scale).compile()
+    est = mm.cost_estimate(m, k, n, e, 2, 2, 16, mm.pick_block_n(n), rows=16)
+    kernel = [moved for moved, name in aot.analyse(compiled.as_text()).traffic
+              if name.endswith("mxfp4_gmm_tpu/pallas_call")]
+    assert kernel == [est.bytes_accessed]
+    assert compiled.memory_analysis().temp_size_in_bytes < 4 << 20
+
+
+@needs_libtpu
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
 def test_activation_gradient_compiles_for_tpu_reading_the_stack_in_place(topology):
     """libtpu compiles the fused gate/up dx launch over layer stacks: no copy of a weight
     argument, temporaries a few tiles, and the kernel counted by its BlockSpec estimate."""
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.asarray(aot.tpu_devices(topology)[:1]), ("x",))
-    rep = NamedSharding(mesh, P())
-
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+    spec = one_chip(topology)
 
     layers, e, n, k, m = 1024, 16, 256, 768, 64
     words = spec((layers, e, k // 8, n), jnp.uint32)

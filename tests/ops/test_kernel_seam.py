@@ -1,10 +1,12 @@
 """The ops' one kernel seam (`k31jax.ops._impl`): how `impl` resolves (backend, mesh), the
 `Backends` object and its `K31JAX_KERNELS` default, that the kernels differentiate exactly
-like the XLA paths they replace, and that a whole model run with `Backends(kernels="interpret")` (every hot path on its Pallas kernel:
+like the XLA paths they replace (or, for the Mosaic MXFP4 matmul, by its own transposed
+kernel), that "auto" takes only kernels verified on the target's hardware, and that a whole model run with `Backends(kernels="interpret")` (every hot path on its Pallas kernel:
 KDA chunk + decode step, sparse MLA, indexer top-k, MXFP4 grouped matmul) gives the logits
 and caches of `Backends(kernels="xla")`, in prefill and in decode."""
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,20 @@ def test_tpu_kernels_for_every_op():
         assert {_impl.resolve_impl("pallas", k) for k in _impl.KERNELS} == {"pallas"}
         assert {_impl.resolve_impl(None, k) for k in _impl.KERNELS} == {"xla"}
     assert kernel_platform() == jax.default_backend()
+
+
+def test_auto_for_a_tpu_takes_only_kernels_verified_on_one(monkeypatch):
+    """Building for a TPU, "auto" takes a Mosaic kernel once `VERIFIED_ON_TPU` records its check
+    (benchmarks/tpu_check.py), and only that one; on this CPU host, never."""
+    from k31jax.kernels import target_tpu
+
+    monkeypatch.delenv("K31JAX_KERNELS", raising=False)
+    monkeypatch.setattr(_impl, "VERIFIED_ON_TPU", {"kda_chunk": "jax 0.12.0, libtpu 0.0.50, TPU v5"})
+    with target_tpu():
+        assert {k: _impl.resolve_impl(None, k) for k in _impl.KERNELS} == {
+            k: "pallas" if k == "kda_chunk" else "xla" for k in _impl.KERNELS}
+        assert _impl.resolve_impl(None, "kda_chunk", supported=False) == "xla"
+    assert _impl.resolve_impl(None, "kda_chunk") == "xla"
 
 
 def test_auto_on_gpu_takes_only_verified_kernels(on_gpu, monkeypatch):
@@ -220,3 +236,15 @@ def test_model_on_the_kernels_equals_xla(monkeypatch):
             assert rel_err(g, w) < 1e-4
         else:
             np.testing.assert_array_equal(g, w)
+
+
+def test_the_tpu_check_script_dry_run_passes(capsys, monkeypatch):
+    """benchmarks/tpu_check.py off a TPU: every Mosaic kernel in TPU interpret mode at tiny shapes
+    against its XLA path; all pass, and no `VERIFIED_ON_TPU` line is printed (not a TPU)."""
+    from helpers.benchmarks import load_benchmark
+
+    check = load_benchmark("tpu_check")
+    monkeypatch.setattr(sys, "argv", ["tpu_check.py", "--reps", "1"])
+    assert check.main() == 0
+    out = capsys.readouterr().out
+    assert "DRY RUN" in out and out.count(" ok ") == 7 and "VERIFIED_ON_TPU" not in out

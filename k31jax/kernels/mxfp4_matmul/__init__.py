@@ -1,5 +1,6 @@
-"""MXFP4 grouped expert matmul (down, fused gate/up) with in-kernel dequantisation (Pallas-Triton)."""
+"""MXFP4 grouped expert matmul (down, fused gate/up) with in-kernel dequantisation: Pallas-Triton
+and Pallas TPU (Mosaic, with its activation gradient and fp8 MXU inputs where the TPU takes them)."""
 
-from .ops import block_rows, grouped_matmul, grouped_matmul_gate_up
+from .ops import FP8_MXU_KINDS, block_rows, grouped_matmul, grouped_matmul_gate_up, mxu_inputs
 
-__all__ = ["block_rows", "grouped_matmul", "grouped_matmul_gate_up"]
+__all__ = ["FP8_MXU_KINDS", "block_rows", "grouped_matmul", "grouped_matmul_gate_up", "mxu_inputs"]

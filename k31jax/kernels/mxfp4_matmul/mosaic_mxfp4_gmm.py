@@ -32,6 +32,16 @@ writes zeros elsewhere: rows outside every group are 0, as in `lax.ragged_dot`).
 block has at least one tile. Unused tiles repeat the last used tile's block indices, so they
 move no data, and do no work.
 
+fp8 MXU inputs (`mxu="fp8"`, for MXFP8 activations on a TPU whose MXU multiplies e4m3): every
+E2M1 value is exact in e4m3, but a block scale folded in is not (2^-10 x 6 underflows e4m3's
+range), and the per-32 scales vary along K, the contracted axis. So each column's scales are
+split into the column's largest, 2^S[n], applied to the f32 result, and a relative 2^-d[b, n]
+(d <= 8 keeps E2M1 x 2^-d exact in e4m3), folded into the codes; x gets one power-of-two shift
+per row (`_fp8_rows`). The products are then exact, accumulated in f32, and y = acc · shift ·
+2^S: the XLA path's sum up to order, but for activations more than 2^16 below their row's
+largest (rounded on e4m3's subnormal grid, at most 2^-17 of that largest). A tile with a
+column whose scales span more than 8 octaves (or hold a NaN or zero scale) takes x's dtype.
+
 The activation gradient `dx_m = Σ_i W_{i,e(m)}ᵀ dy_{i,m}` (`mxfp4_gmm_dx_tpu`; the packed
 weights themselves are frozen: they have no gradient) is the same schedule transposed: grid
 (tiles, N / BN) with N the reduction, each plane decoded as above and multiplied as
@@ -54,7 +64,9 @@ from ...quant import E8M0_NAN, kernel_scale_rows
 from .pallas_mxfp4_gmm import e2m1_values
 
 F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
 PLANES = 8  # E2M1 codes per uint32 word
+MXU_INPUTS = ("bf16", "fp8")
 
 
 def tpu_tile_schedule(group_sizes, m_rows: int, block_m: int):
@@ -122,7 +134,24 @@ def word_scales(scale_bytes, k8: int):
     return jnp.where(b == E8M0_NAN, jnp.float32(jnp.nan), factor)
 
 
-def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, n_w: int, block_m: int):
+def _pow2_of_exponent(e):
+    """2^e for int32 e in the normal f32 range."""
+    return jax.lax.bitcast_convert_type((jnp.clip(e, -126, 127) + 127) << 23, F32)
+
+
+def _fp8_rows(x_ref):
+    """x's planes as e4m3 after one power-of-two shift per row (its largest value lands below
+    2^8, inside e4m3's 448), and the shifts `[BM, 1]`. MXFP8 values keep all their bits down to
+    2^-6 after the shift; below it e4m3 has subnormals on a 2^-9 grid, so a value more than 2^16
+    times smaller than its row's largest is rounded by at most 2^-17 of that largest."""
+    planes = [x_ref[p].astype(F32) for p in range(PLANES)]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a), axis=1, keepdims=True) for a in planes])
+    top = ((jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF) - 127  # the row's largest exponent
+    shift = _pow2_of_exponent(jnp.where(amax > 0, top - 7, 0))
+    return [(a / shift).astype(FP8) for a in planes], shift
+
+
+def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, n_w: int, block_m: int, mxu: str):
     del row_ref, grp_ref  # used by the index maps
     w_refs, out_refs = refs[:2 * n_w], refs[2 * n_w:]
     t = pl.program_id(1)
@@ -137,18 +166,51 @@ def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, 
         for o_ref in out_refs:
             o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    @pl.when(hi > lo)
-    def _():
-        for i in range(n_w):
-            words = pltpu.bitcast(w_refs[2 * i][...], jnp.int32)  # [K/8, BN]
-            factor = word_scales(w_refs[2 * i + 1][...], words.shape[0])
+    def store(i, acc):
+        o_ref = out_refs[i]
+        o_ref[...] = jnp.where(mine, acc.astype(o_ref.dtype), o_ref[...])
+
+    def weight_planes(i):
+        words = pltpu.bitcast(w_refs[2 * i][...], jnp.int32)  # [K/8, BN]
+        return [e2m1_values((words >> (4 * p)) & 0xF, F32) for p in range(PLANES)], \
+            word_scales(w_refs[2 * i + 1][...], words.shape[0])
+
+    def in_dtype(i):  # the dequantise-then-matmul weight of the XLA path, on the MXU in x's dtype
+        codes, factor = weight_planes(i)
+        acc = None
+        for p in range(PLANES):
+            part = jnp.dot(x_ref[p], (codes[p] * factor).astype(dt), precision=prec, preferred_element_type=F32)
+            acc = part if acc is None else acc + part
+        store(i, acc)
+
+    def fp8(i, x8, x_shift):
+        codes, factor = weight_planes(i)
+        column = jnp.max(factor, axis=0, keepdims=True)  # [1, BN]: the column's largest block scale
+        rel = factor / column  # 2^-d per word row, exact
+        # E2M1 x 2^-d is exact in e4m3 for d <= 8 (0.5 x 2^-8 = 2^-9, its smallest subnormal); a
+        # tile with a wider column, a NaN (0xFF) or a zero scale takes x's dtype, which handles
+        # them as the XLA path does
+        exact = jnp.all((rel >= 2.0 ** -8) & (column > 0) & (column < jnp.inf))
+
+        @pl.when(exact)
+        def _():
             acc = None
             for p in range(PLANES):
-                w_p = (e2m1_values((words >> (4 * p)) & 0xF, F32) * factor).astype(dt)
-                part = jnp.dot(x_ref[p], w_p, precision=prec, preferred_element_type=F32)
+                part = jnp.dot(x8[p], (codes[p] * rel).astype(FP8), preferred_element_type=F32)
                 acc = part if acc is None else acc + part
-            o_ref = out_refs[i]
-            o_ref[...] = jnp.where(mine, acc.astype(o_ref.dtype), o_ref[...])
+            store(i, acc * x_shift * column)  # exact powers of two
+
+        pl.when(jnp.logical_not(exact))(functools.partial(in_dtype, i))
+
+    @pl.when(hi > lo)
+    def _():
+        if mxu == "fp8":
+            x8, x_shift = _fp8_rows(x_ref)
+        for i in range(n_w):
+            if mxu == "fp8":
+                fp8(i, x8, x_shift)
+            else:
+                in_dtype(i)
 
 
 def pick_block_n(n: int) -> int:
@@ -185,14 +247,18 @@ def cost_estimate(m_pad: int, k: int, n: int, n_experts: int, n_w: int, itemsize
 
 
 def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret: bool = False,
-                  block_n: int | None = None, out_dtype=None, expected_rows: int | None = None):
+                  block_n: int | None = None, out_dtype=None, expected_rows: int | None = None, mxu: str = "bf16"):
     """x `[M, K]` sorted by expert; weights: a sequence of kernel-layout pairs (`quant.kernel_layout`
     in one part: uint32 words `[(L,) E, K/8, N]`, scale bytes `[(L,) E, 1, B, N]`) sharing their
     shapes (a leading L when `row`, the layer, is given: one for all weights, or one per
     weight); group_sizes `[E]`. Returns one `[M, N]` array
     per weight, in `out_dtype` (default x's: the f32 accumulators are rounded once, at the
     store). `interpret`: run the body with TPU semantics on any backend (`pltpu.InterpretParams`).
-    `expected_rows`: for the cost estimate only (`cost_estimate(rows=)`)."""
+    `expected_rows`: for the cost estimate only (`cost_estimate(rows=)`). `mxu`: the MXU's inputs,
+    "bf16" (x's dtype) or "fp8" (e4m3 on both sides, for MXFP8 activations on an MXU that takes
+    fp8: `mxu_inputs`; module docstring)."""
+    if mxu not in MXU_INPUTS:
+        raise ValueError(f"mxfp4 TPU grouped matmul: mxu={mxu!r}, expected one of {MXU_INPUTS}")
     m, k = x.shape
     words0 = weights[0][0]
     stacked = row is not None
@@ -247,7 +313,7 @@ def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret:
         out_specs=[pl.BlockSpec((block_m, bn), out_map) for _ in weights],
     )
     fn = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(weights), block_m=block_m),
+        functools.partial(_kernel, n_w=len(weights), block_m=block_m, mxu=mxu),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((m_pad, n), out_dtype or x.dtype) for _ in weights],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
