@@ -72,6 +72,12 @@ RAGGED_DOT_DIMS = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+def mxfp4_kernel_or_reference(impl: str, kernel, reference):
+    """`kernel_or_reference` for the packed-MXFP4 grouped matmul: the Mosaic kernel differentiates
+    itself (its transposed kernel, `kernels.mxfp4_matmul`), the Triton kernel as `reference`."""
+    return kernel_or_reference("mxfp4_gmm", impl, kernel, reference, grad=not runs_mosaic(impl))
+
+
 def grouped_matmul(
     x_sorted: Float[Array, "M in"], w: ExpertWeight, group_sizes: Int[Array, "E"],
     weight_fake_quant: bool = False,
@@ -89,10 +95,9 @@ def grouped_matmul(
     """
     impl = resolve_impl(impl, "mxfp4_gmm", supported=isinstance(w, MXFP4Weight))
     if impl != "xla" and isinstance(w, MXFP4Weight):
-        return kernel_or_reference("mxfp4_gmm", impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl,
-                                                                          mxfp8_activations=mxfp8_activations),
-                                   functools.partial(grouped_matmul, impl="xla"),
-                                   grad=not runs_mosaic(impl))(x_sorted, w, group_sizes)
+        return mxfp4_kernel_or_reference(
+            impl, functools.partial(mxfp4_matmul.grouped_matmul, impl=impl, mxfp8_activations=mxfp8_activations),
+            functools.partial(grouped_matmul, impl="xla"))(x_sorted, w, group_sizes)
     w = materialize(w, x_sorted.dtype, weight_fake_quant)
     y = jax.lax.ragged_dot_general(x_sorted, w, group_sizes, RAGGED_DOT_DIMS,
                                    preferred_element_type=jnp.float32)
@@ -308,11 +313,10 @@ def routed_experts(
     if kernel != "xla":
         xs, order, sizes = permute(x, idx, num_experts)
         xs = qin(xs)
-        g, u = kernel_or_reference(
-            "mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel,
-                                                   mxfp8_activations=activation_fake_quant),
-            lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)),
-            grad=not runs_mosaic(kernel))(xs, w_gate, w_up, sizes)
+        g, u = mxfp4_kernel_or_reference(
+            kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel,
+                                      mxfp8_activations=activation_fake_quant),
+            lambda xs_, wg, wu, s: (grouped_matmul(xs_, wg, s), grouped_matmul(xs_, wu, s)))(xs, w_gate, w_up, sizes)
         y = grouped_matmul(qin(act(g, u)), w_down, sizes, weight_fake_quant, impl=kernel,
                            mxfp8_activations=activation_fake_quant)
         return combine(y, order, weights)

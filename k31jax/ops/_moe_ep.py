@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..kernels import mxfp4_matmul, runs_mosaic
+from ..kernels import mxfp4_matmul
 from ..quant import MXFP4KernelWeight, MXFP4Weight, mx_fake_quant_activations, mxfp4_dequantize_packed
 from ..sharding import current_rules, inside_manual, logical_to_spec, spec_axes
 from ._activations import glu
-from ._impl import ImplChoice, kernel_or_reference, resolve_impl
+from ._impl import ImplChoice, resolve_impl
 from ._moe import (FEW_ASSIGNMENTS_PER_EXPERT, RAGGED_DOT_DIMS, ExpertAdapter, expert_window, materialize,
-                   one_expert, visit_selected_experts)
+                   mxfp4_kernel_or_reference, one_expert, visit_selected_experts)
 
 EXCHANGES = ("ragged", "dense", "allgather")
 _HI = jax.lax.Precision.HIGHEST
@@ -271,9 +271,7 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
     if local_form == "kernel":
         xs = qin(xs)
 
-        # the Triton kernel's gradients: the ragged form's (packed weights: nothing to fake-quantise);
-        # the Mosaic kernel differentiates itself (the transposed kernel)
-        own_grad = runs_mosaic(kernel)
+        # the Triton kernel's gradients: the ragged form's (packed weights: nothing to fake-quantise)
         def gate_up_reference(x_, wg, wu, sizes_):
             return tuple(ragged(x_, w, sizes_, False, False).astype(x_.dtype) for w in (wg, wu))
 
@@ -287,12 +285,12 @@ def _expert_rows(rows, local_e, n_local, w_gate, w_up, w_down, plan, *, local_fo
             return mxfp4_matmul.grouped_matmul(h_, wd, sizes_, impl=kernel, out_dtype=out_dt,
                                                expected_rows=mean_rows, mxfp8_activations=activation_fake_quant)
 
-        g, u = kernel_or_reference("mxfp4_gmm", kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up,
-                                                                           impl=kernel, expected_rows=mean_rows,
-                                                                           mxfp8_activations=activation_fake_quant),
-                                   gate_up_reference, grad=not own_grad)(xs, w_gate, w_up, sizes)
+        g, u = mxfp4_kernel_or_reference(kernel, functools.partial(mxfp4_matmul.grouped_matmul_gate_up, impl=kernel,
+                                                                   expected_rows=mean_rows,
+                                                                   mxfp8_activations=activation_fake_quant),
+                                         gate_up_reference)(xs, w_gate, w_up, sizes)
         h = qin(glu(g, u, hidden_act, beta_gate, beta_up))
-        y = kernel_or_reference("mxfp4_gmm", kernel, down_kernel, down_reference, grad=not own_grad)(h, w_down, sizes)
+        y = mxfp4_kernel_or_reference(kernel, down_kernel, down_reference)(h, w_down, sizes)
     elif local_form == "selected":
         d_out = _shape(w_down)[1]
         y = visit_selected_experts(xs, sizes, window, expert_rows, d_out, out_dt)

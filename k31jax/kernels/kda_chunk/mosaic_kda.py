@@ -59,6 +59,31 @@ def cost_estimate(b: int, h: int, t: int, dk: int, dv: int) -> pl.CostEstimate:
                            bytes_accessed=b * h * (read + written) * 4)
 
 
+def check_inputs(what: str, q, k, v, g, beta, state) -> None:
+    """One clear error for a KDA kernel's inputs: q, k, g `[B, T, H, dk]`, v `[B, T, H, dv]`, β
+    `[B, T, H]`, state `[B, H, dk, dv]`."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    for name, a, want in (("k", k, q.shape), ("g", g, q.shape), ("v", v, (b, t, h, dv)), ("beta", beta, (b, t, h)),
+                          ("state", state, (b, h, dk, dv))):
+        if tuple(a.shape) != tuple(want):
+            raise ValueError(f"{what}: {name} has shape {tuple(a.shape)}, expected {tuple(want)} "
+                             f"(from q {tuple(q.shape)} and v {tuple(v.shape)})")
+
+
+def lane_rows(a, rows: int, width: int):
+    """Tokens `[B, T, H, d]` as the kernels read them, `[B, rows, H * width]` fp32: T zero-padded to
+    `rows`, each head's d to `width` lanes (a reshape when aligned)."""
+    b, t, h, d = a.shape
+    return jnp.pad(a.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, width - d))).reshape(b, rows, h * width)
+
+
+def padded_state(state, dk: int, dv: int):
+    """The fp32 state `[B, H, dk, dv]` zero-padded to the launch's widths."""
+    state = state.astype(F32)
+    return jnp.pad(state, ((0, 0), (0, 0), (0, dk - state.shape[2]), (0, dv - state.shape[3])))
+
+
 def kda_decode_tpu(q, k, v, g, beta, state, *, interpret: bool = False):
     """T tokens of the delta rule for every (row, head): q, k, g `[B, T, H, dk]`, v
     `[B, T, H, dv]`, β `[B, T, H]`, state `[B, H, dk, dv]` (fp32; updated in place). Returns
@@ -66,21 +91,14 @@ def kda_decode_tpu(q, k, v, g, beta, state, *, interpret: bool = False):
     run the body with TPU semantics on any backend (`pltpu.InterpretParams`)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    for name, a, want in (("k", k, q.shape), ("g", g, q.shape), ("v", v, (b, t, h, dv)), ("beta", beta, (b, t, h)),
-                          ("state", state, (b, h, dk, dv))):
-        if tuple(a.shape) != tuple(want):
-            raise ValueError(f"KDA TPU decode step: {name} has shape {tuple(a.shape)}, expected {tuple(want)} "
-                             f"(from q {tuple(q.shape)} and v {tuple(v.shape)})")
+    check_inputs("KDA TPU decode step", q, k, v, g, beta, state)
 
     t8, dkp, dvp = -(-t // 8) * 8, -(-dk // LANES) * LANES, -(-dv // LANES) * LANES
 
-    def tokens(a, width):  # [B, T, H, d] -> [B, T8, H * width], fp32, zero-padded (a reshape when aligned)
-        a = jnp.pad(a.astype(F32), ((0, 0), (0, t8 - t), (0, 0), (0, width - a.shape[-1])))
-        return a.reshape(b, t8, h * width)
+    def tokens(a, width):
+        return lane_rows(a, t8, width)
 
-    state = state.astype(F32)
-    if (dkp, dvp) != (dk, dv):
-        state = jnp.pad(state, ((0, 0), (0, 0), (0, dkp - dk), (0, dvp - dv)))
+    state = padded_state(state, dkp, dvp)
 
     def head_rows(width, rows=t8):  # row i's tokens of head j: lanes j*width .. (j+1)*width
         return pl.BlockSpec((None, rows, width), lambda i, j: (i, 0, j))

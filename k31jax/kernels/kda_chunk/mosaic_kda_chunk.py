@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .mosaic_kda import check_inputs, lane_rows, padded_state
+
 F32 = jnp.float32
 LANES = 128
 SUB = 16  # rows per tile of the decayed products (kda.md §6b)
@@ -65,7 +67,7 @@ def _decayed_products(q, k, kb, gam, chunk):
     rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     i_in = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 0)
     j_in = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 1)
-    spread = (jax.lax.broadcasted_iota(jnp.int32, (SUB, chunk), 1)
+    offset = (jax.lax.broadcasted_iota(jnp.int32, (SUB, chunk), 1)
               - jax.lax.broadcasted_iota(jnp.int32, (SUB, chunk), 0))  # tile column j -> chunk column r0 + j
     a_rows, m_rows = [], []
     for r0 in range(0, chunk, SUB):
@@ -83,7 +85,7 @@ def _decayed_products(q, k, kb, gam, chunk):
         k_dec = k_i[None, :, :] * decay
         a_diag = jnp.sum(q_i[:, None, :] * k_dec, axis=-1)  # [SUB, SUB], j ≤ i
         m_diag = jnp.where(j_in[..., 0] < i_in[..., 0], jnp.sum(kb_i[:, None, :] * k_dec, axis=-1), 0.0)
-        place = (spread == r0).astype(F32)  # [SUB, C]: tile column j to chunk column r0 + j (an exact matmul)
+        place = (offset == r0).astype(F32)  # [SUB, C]: tile column j to chunk column r0 + j (an exact matmul)
         a_rows.append(a_blk + _dot(a_diag, place))
         m_rows.append(m_blk + _dot(m_diag, place))
     return jnp.concatenate(a_rows, axis=0), jnp.concatenate(m_rows, axis=0)
@@ -155,21 +157,14 @@ def kda_chunk_tpu(q, k, v, g, beta, state, *, chunk: int = 64, interpret: bool =
     dv = v.shape[-1]
     if chunk not in CHUNK_SIZES:
         raise ValueError(f"KDA TPU chunked forward: chunk={chunk} not in {CHUNK_SIZES}")
-    for name, a, want in (("k", k, q.shape), ("g", g, q.shape), ("v", v, (b, t, h, dv)), ("beta", beta, (b, t, h)),
-                          ("state", state, (b, h, dk, dv))):
-        if tuple(a.shape) != tuple(want):
-            raise ValueError(f"KDA TPU chunked forward: {name} has shape {tuple(a.shape)}, expected {tuple(want)} "
-                             f"(from q {tuple(q.shape)} and v {tuple(v.shape)})")
+    check_inputs("KDA TPU chunked forward", q, k, v, g, beta, state)
     tp = -(-t // chunk) * chunk
     dkp, dvp = -(-dk // LANES) * LANES, -(-dv // LANES) * LANES
 
-    def tokens(a, width):  # [B, T, H, d] -> [B, Tp, H * width], fp32, zero-padded (a reshape when aligned)
-        a = jnp.pad(a.astype(F32), ((0, 0), (0, tp - t), (0, 0), (0, width - a.shape[-1])))
-        return a.reshape(b, tp, h * width)
+    def tokens(a, width):
+        return lane_rows(a, tp, width)
 
-    state = state.astype(F32)
-    if (dkp, dvp) != (dk, dv):
-        state = jnp.pad(state, ((0, 0), (0, 0), (0, dkp - dk), (0, dvp - dv)))
+    state = padded_state(state, dkp, dvp)
 
     def head_chunk(width):  # row i's chunk c of head j: lanes j*width .. (j+1)*width
         return pl.BlockSpec((None, chunk, width), lambda i, j, c: (i, c, j))

@@ -175,8 +175,7 @@ def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, 
         return [e2m1_values((words >> (4 * p)) & 0xF, F32) for p in range(PLANES)], \
             word_scales(w_refs[2 * i + 1][...], words.shape[0])
 
-    def in_dtype(i):  # the dequantise-then-matmul weight of the XLA path, on the MXU in x's dtype
-        codes, factor = weight_planes(i)
+    def in_dtype(i, codes, factor):  # the dequantise-then-matmul weight of the XLA path, on the MXU in x's dtype
         acc = None
         for p in range(PLANES):
             part = jnp.dot(x_ref[p], (codes[p] * factor).astype(dt), precision=prec, preferred_element_type=F32)
@@ -200,7 +199,7 @@ def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, 
                 acc = part if acc is None else acc + part
             store(i, acc * x_shift * column)  # exact powers of two
 
-        pl.when(jnp.logical_not(exact))(functools.partial(in_dtype, i))
+        pl.when(jnp.logical_not(exact))(functools.partial(in_dtype, i, codes, factor))
 
     @pl.when(hi > lo)
     def _():
@@ -210,7 +209,7 @@ def _kernel(row_ref, grp_ref, blk_ref, lo_ref, hi_ref, fresh_ref, x_ref, *refs, 
             if mxu == "fp8":
                 fp8(i, x8, x_shift)
             else:
-                in_dtype(i)
+                in_dtype(i, *weight_planes(i))
 
 
 def pick_block_n(n: int) -> int:
@@ -244,6 +243,36 @@ def cost_estimate(m_pad: int, k: int, n: int, n_experts: int, n_w: int, itemsize
     products = 2 * block_m * k * block_n + 2 * (k // 8) * kernel_scale_rows(k // 32) * block_n
     flops = n_w * (n // block_n) * tiles * products
     return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(weight_bytes + x_bytes + out_bytes))
+
+
+def _layer_rows(row, n_weights: int):
+    """The scalar-prefetched layer row of each weight: `row` is one for all, or one per weight
+    (None: unstacked weights, row 0)."""
+    rows = row if isinstance(row, (list, tuple)) else [row] * n_weights
+    if len(rows) != n_weights:
+        raise ValueError(f"mxfp4 TPU grouped matmul: {len(rows)} rows for {n_weights} weights")
+    return jnp.stack([jnp.asarray(0 if r is None else r, jnp.int32).reshape(()) for r in rows])
+
+
+def _weight_specs(n_weights: int, stacked: bool, k: int, block_n: int, expert_and_column):
+    """Each weight's BlockSpecs: words `[K/8, BN]` and scale rows `[B, BN]` of one expert's column
+    block, at the weight's layer row when `stacked`. `expert_and_column(*grid_ids, *prefetch)`
+    -> (expert, column block) is the grid's schedule (the prefetched refs start with the layer
+    rows)."""
+
+    def index(i, scale: bool):
+        def at(g0, g1, row_r, *refs):
+            e, c = expert_and_column(g0, g1, row_r, *refs)
+            inner = (0, 0, c) if scale else (0, c)
+            return (row_r[i], e, *inner) if stacked else (e, *inner)
+        return at
+
+    squeezed = (None, None) if stacked else (None,)
+    specs = []
+    for i in range(n_weights):
+        specs += [pl.BlockSpec((*squeezed, k // PLANES, block_n), index(i, False)),
+                  pl.BlockSpec((*squeezed, None, kernel_scale_rows(k // 32), block_n), index(i, True))]
+    return specs
 
 
 def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret: bool = False,
@@ -280,32 +309,15 @@ def mxfp4_gmm_tpu(x, weights, group_sizes, *, block_m: int, row=None, interpret:
     m_pad = -(-m // block_m) * block_m
     grp, blk, lo, hi, fresh = tpu_tile_schedule(group_sizes, m, block_m)
     n_tiles = grp.shape[0]
-    rows = row if isinstance(row, (list, tuple)) else [row] * len(weights)
-    if len(rows) != len(weights):
-        raise ValueError(f"mxfp4 TPU grouped matmul: {len(rows)} rows for {len(weights)} weights")
-    layer = jnp.stack([jnp.asarray(0 if r is None else r, jnp.int32).reshape(()) for r in rows])
+    layer = _layer_rows(row, len(weights))
 
     def x_map(nb, t, row_r, grp_r, blk_r, *_):
         return (0, blk_r[t], 0)
 
-    def w_map(i):
-        def index(nb, t, row_r, grp_r, *_):
-            return (row_r[i], grp_r[t], 0, nb) if stacked else (grp_r[t], 0, nb)
-        return index
-
-    def s_map(i):
-        def index(nb, t, row_r, grp_r, *_):
-            return (row_r[i], grp_r[t], 0, 0, nb) if stacked else (grp_r[t], 0, 0, nb)
-        return index
-
     def out_map(nb, t, row_r, grp_r, blk_r, *_):
         return (blk_r[t], nb)
 
-    squeezed = (None, None) if stacked else (None,)
-    w_specs = []
-    for i in range(len(weights)):
-        w_specs += [pl.BlockSpec((*squeezed, k8, bn), w_map(i)),
-                    pl.BlockSpec((*squeezed, None, kernel_scale_rows(k // 32), bn), s_map(i))]
+    w_specs = _weight_specs(len(weights), stacked, k, bn, lambda nb, t, row_r, grp_r, *_: (grp_r[t], nb))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(n // bn, n_tiles),
@@ -392,8 +404,7 @@ def mxfp4_gmm_dx_tpu(dys, weights, group_sizes, *, block_m: int, row=None, inter
     n_nb = n // bn
     m_pad = -(-m // block_m) * block_m
     grp, blk, lo, hi, fresh = tpu_tile_schedule(group_sizes, m, block_m)
-    rows = row if isinstance(row, (list, tuple)) else [row] * len(weights)
-    layer = jnp.stack([jnp.asarray(0 if r is None else r, jnp.int32).reshape(()) for r in rows])
+    layer = _layer_rows(row, len(weights))
 
     def col_block(t, nb, lo_r, hi_r):  # a tile with no rows keeps the last column block: no fetch
         return jnp.where(hi_r[t] > lo_r[t], nb, n_nb - 1)
@@ -401,26 +412,11 @@ def mxfp4_gmm_dx_tpu(dys, weights, group_sizes, *, block_m: int, row=None, inter
     def dy_map(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
         return (blk_r[t], col_block(t, nb, lo_r, hi_r))
 
-    def w_map(i):
-        def index(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
-            c = col_block(t, nb, lo_r, hi_r)
-            return (row_r[i], grp_r[t], 0, c) if stacked else (grp_r[t], 0, c)
-        return index
-
-    def s_map(i):
-        def index(t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r):
-            c = col_block(t, nb, lo_r, hi_r)
-            return (row_r[i], grp_r[t], 0, 0, c) if stacked else (grp_r[t], 0, 0, c)
-        return index
-
     def dx_map(t, nb, row_r, grp_r, blk_r, *_):
         return (0, blk_r[t], 0)
 
-    squeezed = (None, None) if stacked else (None,)
-    w_specs = []
-    for i in range(len(weights)):
-        w_specs += [pl.BlockSpec((*squeezed, k8, bn), w_map(i)),
-                    pl.BlockSpec((*squeezed, None, kernel_scale_rows(k // 32), bn), s_map(i))]
+    w_specs = _weight_specs(len(weights), stacked, k, bn, lambda t, nb, row_r, grp_r, blk_r, lo_r, hi_r, fresh_r:
+                            (grp_r[t], col_block(t, nb, lo_r, hi_r)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(grp.shape[0], n_nb),
