@@ -219,16 +219,18 @@ def timed(call: Callable[[], object]) -> Callable[[], dict[str, float]]:
 def alternate(sides: dict[str, Callable[[], dict[str, float]]], repeats: int, *,
               warmup: int = 1) -> dict[str, dict[str, Stats]]:
     """Each side returns a dict of measurements per call; the sides run in turn, `warmup`
-    unrecorded calls each first, then `repeats` (>= 3) recorded rounds. Returns each side's
-    `Stats` per measurement name."""
+    unrecorded calls each first, then `repeats` (>= 3) recorded rounds, every other round in
+    reverse order (A B, B A, ...: a side is not always the one that runs right after another).
+    Returns each side's `Stats` per measurement name."""
     if repeats < 3:
         raise ValueError(f"repeats={repeats}: the benchmark method needs at least 3")
     for _ in range(warmup):
         for run in sides.values():
             run()
     seen: dict[str, dict[str, list[float]]] = {name: {} for name in sides}
-    for _ in range(repeats):
-        for name, run in sides.items():
+    for round_ in range(repeats):
+        order = list(sides.items())
+        for name, run in (order if round_ % 2 == 0 else order[::-1]):
             for key, value in run().items():
                 seen[name].setdefault(key, []).append(float(value))
     return {name: {key: Stats.of(v) for key, v in values.items()} for name, values in seen.items()}

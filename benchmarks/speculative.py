@@ -13,7 +13,8 @@ lookup, issue #30), at batch 1 and 8, on a code-edit workload and on free text, 
   snippets / files; batch 1: the first of them.
 - Both sides: `Engine(model, max_len, prefill_chunk)`, greedy, no stop ids, `--new-tokens` per
   row; the speculative engine with `Speculation("ngram")` (max_draft 8, n-grams 3-6, and its
-  timing guard: a verify width slower per emitted token than a plain step is only probed). A warm-up
+  timing guard: a verify step runs where its measured cost and the tokens its drafts are expected
+  to keep beat plain steps; docs/speculative.md §2). A warm-up
   `generate` per side compiles its programs; decode tok/s = tokens after the first / the time
   from the first token to the last (`GenerationResult.decode_tok_s`, compile excluded). Every
   repeat checks that both sides emitted the same tokens.

@@ -7,7 +7,8 @@ check (``_verify``), and how long its drafts are.
   batched forward pass there (the embedded model can draft for any model that shares its
   tokenizer).
 - ``NgramDrafter`` (prompt lookup): the continuation after the most recent earlier occurrence
-  of the row's last n tokens (prompt and output), longest n first. Agent and coding output
+  of the row's last n tokens (prompt and output), longest n first, repeated with its period
+  where the occurrence is nearer than the draft is long (a loop). Agent and coding output
   repeats its input (an edited file, a quoted tool result); free text rarely matches, and a
   row without a match drafts nothing, so its step is a plain decode step.
 - ``Speculator``: the loop's side. Per row, the draft length adapts: it doubles after a step
@@ -15,11 +16,11 @@ check (``_verify``), and how long its drafts are.
   that is far from its source drafts one token at a time until it matches again). It picks
   the verify width for a batch: one more than the longest draft, rounded up to a power of
   two, so a loop compiles at most ``log2(max_draft) + 1`` verify programs per batch size.
-  It also times every step the loop reports (``timed``): a width whose seconds per emitted
-  token run above a plain step's is not used (a plain step instead) but every
-  ``PROBE_EVERY``-th time, so the estimate follows the workload. Where a verify step costs
-  more than its kept drafts save (a wide batch on CPU, where the step is not bound by bytes),
-  speculation then turns itself off.
+  It also times every step the loop reports (``timed``) and keeps the share of drafts kept:
+  a verify step runs only where its measured cost, against the tokens its drafts are expected
+  to emit, beats plain steps (a refused width is re-timed ever more rarely). Where a verify
+  step costs more than its kept drafts save (a wide batch on CPU, where the step is not bound
+  by bytes, or few rows drafting), speculation then turns itself off.
 - ``Speculation``: the settings (``k31jax generate --speculate ngram``, ``serve --speculate``).
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 
 class DraftRow(abc.ABC):
@@ -58,31 +59,39 @@ class Drafter(abc.ABC):
 
 class NgramRow(DraftRow):
     """A row's tokens and the most recent end of every n-gram in them (n in
-    [min_ngram, max_ngram]), indexed lazily up to the token before the last."""
+    [min_ngram, max_ngram]), indexed up to the token before the last: the prompt's at once (a
+    loop opens its rows while the prefill runs on the device), the output's as it proposes."""
 
     def __init__(self, prompt: Sequence[int], min_ngram: int, max_ngram: int):
         self.tokens = list(prompt)
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self._ends: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in `_ends`
+        self._index()
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
 
-    def propose(self, limit: int) -> list[int]:
-        seq = self.tokens
-        last = len(seq) - 1
+    def _index(self) -> None:
+        seq, last = self.tokens, len(self.tokens) - 1
         for end in range(self._indexed, last):  # never the suffix itself
             for n in self.sizes:
                 if end - n + 1 >= 0:
                     self._ends[tuple(seq[end - n + 1:end + 1])] = end
         self._indexed = max(self._indexed, last)
+
+    def propose(self, limit: int) -> list[int]:
+        seq = self.tokens
+        self._index()
         for n in self.sizes:
             if n > len(seq):
                 continue
             end = self._ends.get(tuple(seq[-n:]))
             if end is not None:
-                return seq[end + 1:end + 1 + limit]
+                # The match recurs `period` tokens later; past the row's end its continuation
+                # repeats with that period, as proposing again after each taken draft would.
+                period = len(seq) - 1 - end
+                return [seq[end + 1 + i % period] for i in range(limit)]
         return []
 
 
@@ -101,8 +110,10 @@ class NgramDrafter(Drafter):
 
 
 DRAFTERS = ("ngram",)
-PROBE_EVERY = 16  # a width slower per token than a plain step is still tried this often
-EMA = 0.3  # weight of the newest step in the seconds-per-token estimates
+# A refused width is stepped again after this many refusals, then twice as many each time it is
+# still refused: its step's cost drifts little, so a re-measure is needed ever more rarely.
+PROBE_AFTER = 16
+EMA = 0.3  # weight of the newest figure in the moving averages (step seconds, acceptance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +124,9 @@ class Speculation:
     max_draft  the most tokens a row drafts for one step (the widest verify program feeds
                max_draft + 1 tokens per row).
     min_ngram, max_ngram  the n-gram sizes of "ngram".
-    timed      use a verify width only while its steps cost less per emitted token than plain
-               steps do at that batch size (`Speculator.width`); False verifies every draft.
+    timed      use a verify width only where its step, at its measured cost and the tokens the
+               drafts are expected to keep, emits tokens faster than plain steps do at that
+               batch size (`Speculator.width`); False verifies every draft.
     """
 
     drafter: str | Drafter = "ngram"
@@ -161,30 +173,45 @@ class SpeculationStats:
 
 
 class StepTimings:
-    """Seconds per emitted token of plain and verify steps, by (live rows, width; 0 = plain),
-    as moving averages, and which widths are worth a step. An `Engine` keeps one across its
-    `generate` calls, so a call does not start by re-learning that a width is slow."""
+    """Seconds per step of plain and verify steps, by (live rows, width; 0 = plain), as moving
+    averages, and which verify steps are worth running. A step's cost depends on its shape, not
+    on its drafts, so it is measured apart from what the drafts keep (`Speculator` predicts that).
+    An `Engine` keeps one across its `generate` calls, so a call starts knowing what steps cost."""
 
     def __init__(self):
-        self._per_token: dict[tuple[int, int], float] = {}
-        self._skipped: dict[tuple[int, int], int] = {}
+        self._seconds: dict[tuple[int, int], float] = {}
+        self._refused: dict[tuple[int, int], int] = {}  # refusals since the width last ran
+        self._next_probe: dict[tuple[int, int], int] = {}
 
-    def record(self, batch: int, width: int, seconds: float, tokens: int) -> None:
-        key, value = (batch, width), seconds / max(tokens, 1)
-        old = self._per_token.get(key)
-        self._per_token[key] = value if old is None else (1 - EMA) * old + EMA * value
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        key = (batch, width)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def allows(self, batch: int, width: int) -> bool:
-        """Whether a verify step of `width` over `batch` rows should run now: not before a plain
-        step at that batch size has been timed, and, where the width has been slower per token
-        than plain steps, only every `PROBE_EVERY`-th time."""
-        plain, mine = self._per_token.get((batch, 0)), self._per_token.get((batch, width))
+    def seconds(self, batch: int, width: int) -> float | None:
+        """The moving average of a step's seconds (None: not timed)."""
+        return self._seconds.get((batch, width))
+
+    def allows(self, batch: int, width: int, gain: float) -> bool:
+        """Whether a verify step of `width` over `batch` live rows, expected to advance decoding
+        `gain` times as far as a plain step, should run now: not before a plain step at that
+        batch size has been timed; then once to time it; then where it costs at most `gain`
+        plain steps, and otherwise only as a probe that keeps its cost current, after
+        `PROBE_AFTER` refusals, then twice as many each time."""
+        key = (batch, width)
+        plain, mine = self.seconds(batch, 0), self.seconds(batch, width)
         if plain is None:
             return False
-        if mine is not None and mine > plain:
-            skipped = self._skipped.get((batch, width), 0) + 1
-            self._skipped[(batch, width)] = skipped % PROBE_EVERY
-            return skipped % PROBE_EVERY == 0
+        if mine is None or mine <= gain * plain:
+            self._refused[key] = 0
+            self._next_probe.pop(key, None)  # worth it again: its cost is measured as it runs
+            return True
+        refused = self._refused.get(key, 0) + 1
+        due = self._next_probe.get(key, PROBE_AFTER)
+        if refused < due:
+            self._refused[key] = refused
+            return False
+        self._refused[key], self._next_probe[key] = 0, 2 * due
         return True
 
 
@@ -200,6 +227,7 @@ class Speculator:
         self._length: dict[Hashable, int] = {}
         self.timings = StepTimings() if timings is None else timings
         self.stats = SpeculationStats()
+        self.acceptance = 1.0  # moving average of the share of drafted tokens kept (optimistic at first)
 
     def add(self, key: Hashable, prompt: Sequence[int]) -> None:
         self._rows[key] = self.drafter.row(prompt)
@@ -240,26 +268,43 @@ class Speculator:
                 return out
             n *= 2
 
-    def width(self, drafts: dict[Hashable, list[int]], batch: int = 0) -> int:
+    def width(self, drafts: dict[Hashable, list[int]], batch: int = 0,
+              slowest: Collection[Hashable] | None = None) -> int:
         """Tokens a verify step feeds per row for these drafts (0: a plain step): none without
-        a draft, nor where that width has been slower per emitted token than a plain step for
-        a batch of `batch` live rows (`timed`; tried again every `PROBE_EVERY`-th time)."""
+        a draft, nor (`timed`) where plain steps over `batch` live rows would do better, by
+        the verify step's measured cost against how far it is expected to advance decoding (a
+        row emits one token plus its draft's length times the recent share of drafts kept):
+        the batch's tokens (a loop whose finished rows make room for others), or, given the
+        `slowest` rows (a static batch, done when its slowest row is), the least any of them
+        advances (`StepTimings.allows`)."""
+        width = self.verify_width(drafts)
+        if not width or not self.spec.timed:
+            return width
+        if slowest:
+            gain = min(1 + self.acceptance * len(drafts.get(k, ())) for k in slowest)
+        else:
+            gain = (batch + self.acceptance * sum(len(d) for d in drafts.values())) / max(batch, 1)
+        return width if self.timings.allows(batch, width, gain) else 0
+
+    def verify_width(self, drafts: dict[Hashable, list[int]]) -> int:
+        """The smallest width that holds these drafts, whatever the timings say (0: none)."""
         longest = max((len(d) for d in drafts.values()), default=0)
         if longest == 0:
             return 0
-        width = 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
-        if not self.spec.timed or self.timings.allows(batch, width):
-            return width
-        return 0
+        return 1 + min(1 << (longest - 1).bit_length(), self.spec.max_draft)
 
-    def timed(self, batch: int, width: int, seconds: float, tokens: int) -> None:
+    def timed(self, batch: int, width: int, seconds: float) -> None:
         """A step of `width` (0: plain) over `batch` live rows took `seconds` (compiling
-        nothing) and emitted `tokens`."""
-        self.timings.record(batch, width, seconds, tokens)
+        nothing), the host work on its tokens included where nothing hid it."""
+        self.timings.record(batch, width, seconds)
 
     def verified(self, drafts: dict[Hashable, list[int]], kept: dict[Hashable, int]) -> None:
         """Adapt each drafting row's length to the drafts it kept of a verify step."""
         self.stats.verify_steps += 1
+        drafted = sum(len(d) for d in drafts.values())
+        if drafted:
+            share = sum(kept[k] for k in drafts) / drafted
+            self.acceptance = (1 - EMA) * self.acceptance + EMA * share
         for key, draft in drafts.items():
             n = kept[key]
             self.stats.drafted += len(draft)

@@ -143,7 +143,7 @@ class Engine:
         self.min_bucket = min_bucket
         self.pipeline = pipeline
         self.speculation = speculation
-        self._step_timings = StepTimings()  # kept across calls: a call starts knowing which widths pay
+        self.step_timings = StepTimings()  # kept across calls: a call starts knowing what steps cost
         self.last_result: GenerationResult | None = None
 
     @property
@@ -231,13 +231,16 @@ class Engine:
         rules = TokenRules.forcing([row.force() for row in rows]).with_bitmask(pack_mask(mask))
         step = core.first(prefilled.logits, [r.params for r in reqs], [r.prompt for r in reqs], rules)
         token, sampler = step.token, step.sampler
+        speculator = None if self.speculation is None else Speculator(self.speculation, self.step_timings)
+        if speculator is not None:  # the drafters read the prompts while the device prefills
+            for row, req in zip(rows, reqs):
+                speculator.add(row.index, req.prompt)
         host = np.asarray(token)
         t_first = time.perf_counter()
         compile_prefill = core.programs.compile_seconds - compile_before
 
-        speculator = None if self.speculation is None else Speculator(self.speculation, self._step_timings)
         if speculator is not None:
-            n_steps = yield from self._speculate(speculator, rows, reqs, cache, token, sampler, host, length)
+            n_steps = yield from self._speculate(speculator, rows, cache, token, sampler, host, length)
         else:
             n_steps = yield from self._decode(rows, cache, token, sampler, host, steps)
         t_end = time.perf_counter()
@@ -281,34 +284,50 @@ class Engine:
             token, cache, sampler = pending.token, pending.cache, pending.sampler
             host = np.asarray(token)
 
-    def _speculate(self, spec: Speculator, rows: list[RowController], reqs: list[Request], cache, token, sampler,
-                   host, pos: int) -> Iterator[StreamDelta]:
+    def _speculate(self, spec: Speculator, rows: list[RowController], cache, token, sampler, host,
+                   pos: int) -> Iterator[StreamDelta]:
         """Decode every row to its end with verify steps over each row's drafts (plain steps when
-        no row drafts); returns the steps taken. `pos` is the cache's write position."""
+        no row drafts or the step timings refuse the width); returns the steps taken. `pos` is
+        the cache's write position."""
         core = self.core
-        for row, req in zip(rows, reqs):
-            spec.add(row.index, req.prompt)
         emitted = [[int(t)] for t in host]
         n_steps = 0
+        timing = None  # (live rows, width, seconds) of the step that emitted `emitted`
         while True:
-            # The drafts are proposed as soon as the tokens are in. When no row drafts (whatever
-            # its limits), every row takes in one token and every forced id of the next step is
-            # known now, that plain step is dispatched before the host work, as `_decode` does.
+            # The drafts are proposed, and whether a verify step may run is settled, as soon as
+            # the tokens are in. When none will run, every row takes in one token and every forced
+            # id of the next step is known now, that plain step is dispatched before the host
+            # work, as `_decode` does.
             pending, t0, compiled = None, 0.0, 0.0
             live_now = [row.index for row in rows if not row.done]
             for i in live_now:  # (tokens past a row's end reach its drafter too: it drafts no more)
                 spec.emitted(i, emitted[i])
             proposals = spec.proposals(live_now)  # trimmed to the rows' limits once they are known
-            if self.pipeline and not proposals and all(len(e) == 1 for e in emitted):
+            # The batch is done when its slowest row is: a verify step must advance every row
+            # within a draft of the most tokens left, or it only lets faster rows finish sooner.
+            left = {row.index: row.req.max_new_tokens - len(row.tokens) - len(emitted[row.index])
+                    for row in rows if not row.done}
+            most = max(left.values(), default=0)
+            slowest = [i for i, n in left.items() if n >= most - spec.spec.max_draft]
+            verifying = spec.width(proposals, len(live_now), slowest) > 0  # the timings asked once a step
+            if self.pipeline and not verifying and all(len(e) == 1 for e in emitted):
                 ahead = [row.predict_force_after_next() for row in rows]
                 if all(a is not None for a in ahead):
                     t0, compiled = time.perf_counter(), core.programs.compile_seconds
                     pending = core.decode(cache, token, sampler, TokenRules.forcing(ahead))
+            pushed = time.perf_counter()
             for row in rows:
                 for t in emitted[row.index]:
                     if row.done:
                         break
                     yield row.push(t)
+            if timing is not None:
+                # A step is charged the host work on its tokens where no step in flight hid it
+                # (a verify step's several tokens per row are never hidden), so its timed cost is
+                # what the loop pays for it.
+                hidden = pending is not None
+                spec.timed(*timing[:2], timing[2] + (0.0 if hidden else time.perf_counter() - pushed))
+                timing = None
             n_steps += 1
             if all(row.done for row in rows):
                 return n_steps
@@ -316,15 +335,15 @@ class Engine:
                 cache, sampler, token = pending.cache, pending.sampler, pending.token
                 emitted = [[int(t)] for t in np.asarray(token)]
                 if core.programs.compile_seconds == compiled:
-                    spec.timed(len(live_now), 0, time.perf_counter() - t0, len(live_now))
+                    timing = (len(live_now), 0, time.perf_counter() - t0)
                 pos += 1
                 continue
             rules = TokenRules.forcing([row.force() for row in rows])
             limits = {row.index: min(row.unforced_run(), row.req.max_new_tokens - len(row.tokens)) - 1
                       for row in rows if not row.done}
-            drafts = spec.trim(proposals, limits)
+            drafts = spec.trim(proposals, limits) if verifying else {}
             live = len(limits)
-            width = spec.width(drafts, live)
+            width = spec.verify_width(drafts)
             if width and pos + width > self.max_len:  # the live rows' keys to the front
                 cache = core.compact(cache, np.asarray([not row.done for row in rows]))
                 pos = int(np.asarray(cache.pos))
@@ -340,7 +359,7 @@ class Engine:
                 cache, sampler = verified.cache, verified.sampler
                 out, kept = np.asarray(verified.tokens), np.asarray(verified.kept)
                 if core.programs.compile_seconds == compiled:
-                    spec.timed(live, width, time.perf_counter() - t0, sum(int(kept[i]) for i in limits))
+                    timing = (live, width, time.perf_counter() - t0)
                 emitted = [out[i, :kept[i]].tolist() for i in range(len(rows))]
                 spec.verified(drafts, {i: int(kept[i]) - 1 for i in drafts})
                 token = jnp.asarray([seq[-1] for seq in emitted], jnp.int32)
@@ -351,5 +370,5 @@ class Engine:
                 cache, sampler, token = step.cache, step.sampler, step.token
                 emitted = [[int(t)] for t in np.asarray(token)]
                 if core.programs.compile_seconds == compiled:
-                    spec.timed(live, 0, time.perf_counter() - t0, live)
+                    timing = (live, 0, time.perf_counter() - t0)
                 pos += 1

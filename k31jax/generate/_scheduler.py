@@ -633,11 +633,12 @@ class Scheduler:
         self.pos += 1
         host = to_host(step.token)
         self._token_times.append((time.perf_counter(), int(live.sum())))
-        if self.speculator is not None and self.core.programs.compile_seconds == compiled:
-            self.speculator.timed(int(live.sum()), 0, time.perf_counter() - t0, int(live.sum()))
         for slot, r in enumerate(self.rows):
             if r is not None:
                 self._push(slot, int(host[slot]), step.logprobs, slot)
+        # Steps are timed with the host work on their tokens (a verify step's several per row)
+        if self.speculator is not None and self.core.programs.compile_seconds == compiled:
+            self.speculator.timed(int(live.sum()), 0, time.perf_counter() - t0)
         self.step_seconds.append((time.perf_counter() - t0, int(live.sum())))
 
     def _drafts(self) -> dict[int, list[int]]:
@@ -664,8 +665,7 @@ class Scheduler:
         self.cache, self.sampler = verified.cache, verified.sampler
         self.pos += width
         out, kept = to_host(verified.tokens), to_host(verified.kept)
-        if self.core.programs.compile_seconds == compiled:
-            self.speculator.timed(int(live.sum()), width, time.perf_counter() - t0, int(kept[live].sum()))
+        compiled_now = self.core.programs.compile_seconds != compiled
         self.speculator.verified(drafts, {slot: int(kept[slot]) - 1 for slot in drafts})
         self.stats["verify_steps"] += 1
         self._token_times.append((time.perf_counter(), int(kept[live].sum())))
@@ -676,6 +676,8 @@ class Scheduler:
                 self._push(slot, int(out[slot, j]), verified.logprobs, slot)
                 if self.rows[slot] is not r:  # finished
                     break
+        if not compiled_now:
+            self.speculator.timed(int(live.sum()), width, time.perf_counter() - t0)
         self.step_seconds.append((time.perf_counter() - t0, int(live.sum())))
 
     def _push(self, slot: int, tok: int, lp: Logprobs, lp_row: int) -> None:

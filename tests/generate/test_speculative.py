@@ -6,6 +6,8 @@ thinking budget and stop strings; the continuous scheduler)."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,9 @@ def test_ngram_drafts_the_continuation_of_the_latest_longest_match():
     assert row.propose(2) == [4, 8]
     assert row.propose(0) == []
     assert NgramDrafter(3, 4).row([1, 2]).propose(5) == []
+    # a loop of period 3 ([7, 8, 9] last seen 3 tokens back): the draft repeats it past the row's end
+    assert NgramDrafter(3, 3).row([5, 7, 8, 9, 7, 8, 9]).propose(7) == [7, 8, 9, 7, 8, 9, 7]
+    assert NgramDrafter(2, 2).row([4, 4, 4]).propose(3) == [4, 4, 4]  # period 1
     with pytest.raises(ValueError, match="min_ngram"):
         NgramDrafter(0, 3)
 
@@ -81,21 +86,30 @@ def test_speculator_adapts_lengths_and_picks_few_widths():
     assert (spec.stats.drafted, spec.stats.accepted, spec.stats.verified_rows) == (12, 5, 2)
 
 
-def test_a_width_slower_per_token_than_a_plain_step_is_only_probed():
+def test_a_verify_step_runs_where_its_cost_and_expected_tokens_beat_plain_steps():
     spec = Speculator(Speculation(max_draft=4))
-    drafts = {"a": [1, 2, 3, 4]}
+    drafts, two = {"a": [1, 2, 3, 4]}, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
     assert spec.width(drafts, 2) == 0  # no plain step timed yet at batch 2: one first
-    spec.timed(2, 0, 0.010, 2)  # 5 ms per token
-    assert spec.width(drafts, 2) == 5
-    spec.timed(2, 5, 0.030, 4)  # 7.5 ms per token: slower
-    assert [spec.width(drafts, 2) for _ in range(16)] == [0] * 15 + [5]  # probed every 16th time
-    spec.timed(2, 5, 0.010, 10)  # now 1 ms per token: 0.7 * 7.5 + 0.3 * 1 = 5.55, still slower
-    spec.timed(2, 5, 0.010, 10)  # 4.2 ms per token: faster
-    assert spec.width(drafts, 2) == 5
+    spec.timed(2, 0, 0.010)  # plain: 2 tokens per 10 ms
+    assert spec.width(drafts, 2) == 5  # the width not timed yet: once, to time it
+    spec.timed(2, 5, 0.040)  # expected 2 + 1.0 * 4 = 6 tokens per 40 ms: slower than plain
+    assert [spec.width(drafts, 2) for _ in range(16)] == [0] * 15 + [5]  # re-timed after 16 refusals
+    assert [spec.width(drafts, 2) for _ in range(32)] == [0] * 31 + [5]  # then after twice as many
+    assert spec.width(two, 2) == 5  # 10 tokens per 40 ms: faster
+    assert [spec.width(drafts, 2) for _ in range(16)] == [0] * 15 + [5]  # worth it again: back to 16
+    spec.verified(drafts, {"a": 0})  # none kept: acceptance 0.7 * 1 + 0.3 * 0 = 0.7
+    assert spec.acceptance == pytest.approx(0.7)
+    assert spec.width(two, 2) == 0  # 2 + 0.7 * 8 = 7.6 tokens per 40 ms: slower
+    spec.timed(2, 5, 0.020)  # the step now costs 0.7 * 40 + 0.3 * 20 = 34 ms: 7.6 / 34 > 2 / 10
+    assert spec.width(two, 2) == 5
+    # a static batch is done when its slowest row is: a verify step must advance each of them
+    assert spec.width(two, 2, slowest=["a", "c"]) == 0  # "c" drafts nothing: it gains nothing
+    assert spec.width(two, 2, slowest=["a"]) == 5  # 1 + 0.7 * 4 = 3.8 plain steps' worth for 3.4
     assert spec.width(drafts, 1) == 0  # another batch size has its own figures
     later = Speculator(Speculation(max_draft=4), spec.timings)  # an Engine's next call
-    assert later.width(drafts, 2) == 5 and later.width(drafts, 1) == 0
+    assert later.width(two, 2) == 5 and later.width(drafts, 1) == 0
     assert Speculator(Speculation(max_draft=4)).width(drafts, 2) == 0
+    assert Speculator(Speculation(max_draft=4, timed=False)).width(drafts, 2) == 5
     with pytest.raises(ValueError, match="drafter"):
         Speculation("medusa")
 
@@ -273,6 +287,23 @@ def test_speculation_honours_the_thinking_budget_and_stop_strings(tiny_model):
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert [c.forced_at for c in spec.completions] == [c.forced_at for c in plain.completions]
     assert engine.last_result.speculation.drafted > 0
+
+
+def test_a_verify_step_is_charged_the_host_work_on_its_tokens(tiny_model):
+    """A verify step's several tokens per row are pushed (stop strings, detokenising, the
+    caller's own work on each delta) with no step in flight: the step's timing includes that
+    work, so the guard weighs what the loop pays. A consumer that spends 30 ms per token makes
+    every timed verify step cost at least that."""
+    prompts = _prompts(1, seed=3)
+    truth = Engine(tiny_model, max_len=96, prefill_chunk=16).generate(prompts, 16, stop_ids=NO_STOP).tokens
+    engine = Engine(tiny_model, max_len=96, prefill_chunk=16,
+                    speculation=Speculation(Oracle(prompts, truth), max_draft=4, timed=False))
+    engine.generate(prompts, 16, stop_ids=NO_STOP)  # compiles (steps that compile are not timed)
+    for _ in engine.stream(prompts, 16, stop_ids=NO_STOP):
+        time.sleep(0.030)
+    timed = [engine.step_timings.seconds(1, w) for w in Speculator(engine.speculation).widths()]
+    assert any(t is not None for t in timed)
+    assert all(t >= 0.030 for t in timed if t is not None), timed
 
 
 def _free_run(model, tok, prompts):

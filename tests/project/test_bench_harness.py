@@ -133,3 +133,20 @@ def test_mentions_of_results_md_sections_name_one():
             cited.setdefault(name, path.relative_to(root))
     assert cited, "no citation found: the pattern no longer matches how they are written"
     assert {name: str(path) for name, path in cited.items() if name not in titles} == {}
+
+
+def test_alternate_reverses_the_order_every_other_round(harness):
+    calls = []
+
+    def side(name):
+        def run():
+            calls.append(name)
+            return {"seconds": float(len(calls))}
+        return run
+
+    stats = harness.alternate({"a": side("a"), "b": side("b")}, repeats=4)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then A B, B A, ...
+    a, b = stats["a"]["seconds"], stats["b"]["seconds"]  # a ran as calls 3, 6, 7, 10; b as 4, 5, 8, 9
+    assert (a.median, a.low, a.high, a.n) == (6.5, 3.0, 10.0, 4) and (b.median, b.low, b.high) == (6.5, 4.0, 9.0)
+    with pytest.raises(ValueError, match="repeats=2"):
+        harness.alternate({"a": side("a")}, repeats=2)
