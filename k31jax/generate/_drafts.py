@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 class DraftRow(abc.ABC):
@@ -269,19 +269,21 @@ class Speculator:
             n *= 2
 
     def width(self, drafts: dict[Hashable, list[int]], batch: int = 0,
-              slowest: Collection[Hashable] | None = None) -> int:
+              left: dict[Hashable, int] | None = None) -> int:
         """Tokens a verify step feeds per row for these drafts (0: a plain step): none without
         a draft, nor (`timed`) where plain steps over `batch` live rows would do better, by
         the verify step's measured cost against how far it is expected to advance decoding (a
         row emits one token plus its draft's length times the recent share of drafts kept):
         the batch's tokens (a loop whose finished rows make room for others), or, given the
-        `slowest` rows (a static batch, done when its slowest row is), the least any of them
-        advances (`StepTimings.allows`)."""
+        tokens each live row has `left` (a static batch, done when its slowest row is), the
+        least any row within one draft of the most tokens left advances (`StepTimings.allows`)."""
         width = self.verify_width(drafts)
         if not width or not self.spec.timed:
             return width
-        if slowest:
-            gain = min(1 + self.acceptance * len(drafts.get(k, ())) for k in slowest)
+        if left:
+            most = max(left.values())
+            gain = min(1 + self.acceptance * len(drafts.get(k, ()))
+                       for k, n in left.items() if n >= most - self.spec.max_draft)
         else:
             gain = (batch + self.acceptance * sum(len(d) for d in drafts.values())) / max(batch, 1)
         return width if self.timings.allows(batch, width, gain) else 0

@@ -303,13 +303,11 @@ class Engine:
             for i in live_now:  # (tokens past a row's end reach its drafter too: it drafts no more)
                 spec.emitted(i, emitted[i])
             proposals = spec.proposals(live_now)  # trimmed to the rows' limits once they are known
-            # The batch is done when its slowest row is: a verify step must advance every row
-            # within a draft of the most tokens left, or it only lets faster rows finish sooner.
+            # The batch is done when its slowest row is: a verify step must advance the rows with
+            # the most tokens left, or it only lets faster rows finish sooner.
             left = {row.index: row.req.max_new_tokens - len(row.tokens) - len(emitted[row.index])
                     for row in rows if not row.done}
-            most = max(left.values(), default=0)
-            slowest = [i for i, n in left.items() if n >= most - spec.spec.max_draft]
-            verifying = spec.width(proposals, len(live_now), slowest) > 0  # the timings asked once a step
+            verifying = spec.width(proposals, len(live_now), left) > 0  # the timings asked once a step
             if self.pipeline and not verifying and all(len(e) == 1 for e in emitted):
                 ahead = [row.predict_force_after_next() for row in rows]
                 if all(a is not None for a in ahead):

@@ -103,8 +103,8 @@ def test_a_verify_step_runs_where_its_cost_and_expected_tokens_beat_plain_steps(
     spec.timed(2, 5, 0.020)  # the step now costs 0.7 * 40 + 0.3 * 20 = 34 ms: 7.6 / 34 > 2 / 10
     assert spec.width(two, 2) == 5
     # a static batch is done when its slowest row is: a verify step must advance each of them
-    assert spec.width(two, 2, slowest=["a", "c"]) == 0  # "c" drafts nothing: it gains nothing
-    assert spec.width(two, 2, slowest=["a"]) == 5  # 1 + 0.7 * 4 = 3.8 plain steps' worth for 3.4
+    assert spec.width(two, 2, left={"a": 30, "c": 28}) == 0  # "c", within a draft, drafts nothing
+    assert spec.width(two, 2, left={"a": 30, "c": 3}) == 5  # "a" alone: 1 + 0.7 * 4 = 3.8 steps' worth for 3.4
     assert spec.width(drafts, 1) == 0  # another batch size has its own figures
     later = Speculator(Speculation(max_draft=4), spec.timings)  # an Engine's next call
     assert later.width(two, 2) == 5 and later.width(drafts, 1) == 0
