@@ -2,13 +2,14 @@
 MXFP4 (PTQ), trained through the rounding (QAT), or adapted with LoRA on the frozen packed base.
 
     .venv/bin/python benchmarks/qat_finetune.py [--record] [--lrs 3e-4 1e-3] [--steps 50 100 200]
-        [--seeds 0 1 2] [--trainable experts] [--kinds float qat lora]
+        [--seeds 0 1 2] [--trainable experts] [--kinds float qat lora] [--min-lr-ratio 1]
 
 Every run starts from the embedded default model (its routed experts shipped packed MXFP4,
 decoded to float32 master weights) and fine-tunes on the Python Language Reference's prose
 (`k31jax.train.language_reference_domain`: English documentation the model never saw, which it
 predicts far worse than Python source). Per learning rate and seed, with the same data order
-and steps for all (AdamW, constant rate after a 10-step warm-up, no weight decay, router bias
+and steps for all (AdamW, constant rate after a 10-step warm-up, or with `--min-lr-ratio` below 1
+a cosine decay to that share of it at the last of `--steps`; no weight decay, router bias
 frozen), the held-out loss at each of `--steps`:
 
 1. **float**: the fine-tune kept in float32;
@@ -62,6 +63,7 @@ class Setup:
     base_batches: int
     trainable: str
     lora_rank: int
+    min_lr_ratio: float
 
 
 def _eval_data(folder, setup: Setup):
@@ -93,7 +95,8 @@ def finetune(kind: str, lr: float, seed: int, steps: list[int], setup: Setup, wo
     from k31jax.train import DataConfig, OptimConfig, Trainer, TrainConfig
 
     data = DataConfig(paths=(str(setup.new.train),), seq_len=setup.seq_len, batch_size=setup.batch_size, seed=seed)
-    optim = OptimConfig(learning_rate=lr, warmup_steps=10, total_steps=max(steps), min_lr_ratio=1.0, weight_decay=0.0,
+    optim = OptimConfig(learning_rate=lr, warmup_steps=10, total_steps=max(steps), min_lr_ratio=setup.min_lr_ratio,
+                        weight_decay=0.0,
                         trainable="all" if kind == "lora" else setup.trainable)
     cfg = TrainConfig(out=str(work / f"{kind}_lr{lr:g}_seed{seed}"), data=data, optim=optim, steps=max(steps),
                       init=str(embedded_model_dir()), qat=kind == "qat", bias_update_rate=0.0, seed=seed,
@@ -183,6 +186,9 @@ def main() -> int:
     parser.add_argument("--kinds", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--trainable", default="experts", help="trained weights in the float and QAT runs")
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--min-lr-ratio", type=float, default=1.0,
+                        help="1: a constant rate after the warm-up; below 1: cosine decay to this share of it at the "
+                             "largest --steps (recorded in its own block)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--base-batches", type=int, default=8)
@@ -202,7 +208,7 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="qat_finetune_"))
     setup = Setup(new=language_reference_domain(work / "new"), base=embedded_heldout_domain(work / "base"),
                   seq_len=args.seq_len, batch_size=args.batch_size, base_batches=args.base_batches,
-                  trainable=args.trainable, lora_rank=args.lora_rank)
+                  trainable=args.trainable, lora_rank=args.lora_rank, min_lr_ratio=args.min_lr_ratio)
     shipped = load_model()
     earlier = [json.loads(line) for line in args.rows.read_text().splitlines()] if args.rows else []
     shipped_rows = [r for r in earlier if r["model"] == "shipped"]
@@ -224,14 +230,17 @@ def main() -> int:
                             log.write(json.dumps(row) + "\n")
                             log.flush()
     seeds = sorted({r["seed"] for r in rows})
+    cosine = args.min_lr_ratio < 1
+    schedule = (f"cosine decay to {args.min_lr_ratio:g} of the rate at step {max(r['step'] for r in rows)}" if cosine
+                else "constant rate")
     lines = [f"new domain: {setup.new.name} ({len(setup.new.train_documents)} training, "
              f"{len(setup.new.heldout_documents)} held-out topics; text sha256 {setup.new.sha256[:16]}; "
              f"{setup.new.licence}); base domain: {setup.base.name}, first {args.base_batches} batches",
              f"trainable (float, QAT): {args.trainable}; LoRA rank {args.lora_rank}; rows of {args.seq_len} tokens, "
-             f"batch {args.batch_size}; seeds {seeds}", ""] + summary(rows, base_losses)
+             f"batch {args.batch_size}; seeds {seeds}; {schedule}", ""] + summary(rows, base_losses)
     print("\n".join(lines))
     if args.record:
-        record("qat_finetune", lines, session, force=True, part=args.trainable)
+        record("qat_finetune", lines, session, force=True, part=args.trainable + ("_cosine" if cosine else ""))
     return 0
 
 

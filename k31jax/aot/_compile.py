@@ -33,7 +33,7 @@ from ..nn import expert_words, out_major_projections
 from ..kernels import target_tpu
 from ..ops import Backends, tpu_kernel_layout
 from ..sharding import activate, get_rules, logical_to_spec, parse_mesh, rules_for_mesh, rules_name, shard_factor
-from ..train import OptimConfig, abstract_train_step
+from ..train import OptimConfig, StepProgram, abstract_train_step
 from ._hlo import HloReport, analyse, peak_breakdown
 
 GB = 1e9
@@ -454,18 +454,17 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
                                        remat=t.remat, lora_rank=t.lora_rank, lora_experts=t.lora_experts,
                                        micro_batch=batch,
                                        grad_accum=t.grad_accum, seq_len=t.seq_len, backends=backends)
-    formats = {}
+    relaid = []
 
     def compile_lowered(lowered, options):  # the state's formats in and out, as `StepProgram` places it
         compiled = lowered.compile(compiler_options=options)
-        formats["in"], formats["out"] = compiled.input_formats[0][:3], compiled.output_formats[:3]
+        relaid.append(StepProgram.relaid(compiled, args[3:6]))
         return compiled
 
     lower_s, compile_s, memory, text, xla, peak = _compile(jitted, args, mesh, rules,
                                                            f"train step of {name} on {topology}",
                                                            dump and Path(dump) / f"{name}.train.hlo.txt",
                                                            compile_lowered)
-    changed = sum(a != b for a, b in zip(jax.tree.leaves(formats["in"]), jax.tree.leaves(formats["out"])))
     hlo = analyse(text)
     donated = sum(_device_bytes(a) for a in jax.tree.leaves(args[3:6]))
     inputs = sum(_device_bytes(a) for a in jax.tree.leaves(args[6]))
@@ -486,7 +485,7 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
     kind = devices[0].device_kind
     return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,
-                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions(), changed,
+                         HBM_PER_DEVICE.get(kind, 0), planner, hlo, xla, floor, note, peak, _versions(), relaid[0],
                          slices)
 
 

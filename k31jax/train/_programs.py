@@ -63,10 +63,26 @@ class StepProgram:
             program = self._compiled[key] = self.jitted(*static, *dynamic).lower(*static, *dynamic).compile()
         return program
 
+    @staticmethod
+    def relaid(compiled, state) -> int:
+        """How many leaves of the donated `state` (params, opt_state, trainable; arrays or
+        abstract ones) the `compiled` step returns in other formats than it takes them in: each
+        would be placed again (copied) before every step."""
+        taken, returned = jax.tree.leaves(compiled.input_formats[0][:3]), jax.tree.leaves(compiled.output_formats[:3])
+        return sum(not same_format(a, b, len(x.shape)) for a, b, x in zip(taken, returned, jax.tree.leaves(state)))
+
     def __call__(self, *args):
         """One step: `(params, opt_state, trainable, metrics)`; the state arguments are donated."""
         program = self.compiled(*args)
         return program(*jax.tree.map(_placed, args[STATE], program.input_formats[0][:3]), args[6])
+
+
+def same_format(a: Format, b: Format, ndim: int) -> bool:
+    """Whether an array of `ndim` dimensions in format `a` is in format `b`, as a compiled
+    program checks its arguments: the same layout and equivalent shardings. `==` is stricter:
+    a compiled program writes a sharding with its trailing unsplit axes (`P(None, "tensor",
+    None)`) that its input format writes without (`P(None, "tensor")`)."""
+    return a.layout == b.layout and (a.sharding == b.sharding or a.sharding.is_equivalent_to(b.sharding, ndim))
 
 
 def _placed(x, fmt: Format):
@@ -74,7 +90,7 @@ def _placed(x, fmt: Format):
     copied and the original deleted at once (the state is donated to the step anyway), so that
     placing a state as large as a chip's memory allows needs one leaf of headroom, not two
     copies of the state."""
-    if isinstance(x, jax.Array) and x.format == fmt:
+    if isinstance(x, jax.Array) and same_format(x.format, fmt, x.ndim):
         return x
     placed = jax.device_put(x, fmt)
     if isinstance(x, jax.Array):

@@ -229,6 +229,12 @@ def tiny_model():
     return randomize(K31ForCausalLM(tiny_config(), rngs=nnx.Rngs(0)), 1)
 
 
+def _four_layers(**overrides):
+    """`tiny` cut to four layers that still hold every kind (dense and MoE FFNs, KDA and DSA
+    mixers), at a third of the compile time: for tests whose claim is not about the layer stack."""
+    return tiny_config(num_hidden_layers=4, layer_types=("kda", "mla", "kda", "mla"), **overrides)
+
+
 def _prompts(n, seed=0, length=(5, 40)):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, rng.integers(*length)).tolist() for _ in range(n)]
@@ -289,11 +295,12 @@ def test_speculation_honours_the_thinking_budget_and_stop_strings(tiny_model):
     assert engine.last_result.speculation.drafted > 0
 
 
-def test_a_verify_step_is_charged_the_host_work_on_its_tokens(tiny_model):
+def test_a_verify_step_is_charged_the_host_work_on_its_tokens():
     """A verify step's several tokens per row are pushed (stop strings, detokenising, the
     caller's own work on each delta) with no step in flight: the step's timing includes that
     work, so the guard weighs what the loop pays. A consumer that spends 30 ms per token makes
     every timed verify step cost at least that."""
+    tiny_model = randomize(K31ForCausalLM(_four_layers(), rngs=nnx.Rngs(0)), 1)
     prompts = _prompts(1, seed=3)
     truth = Engine(tiny_model, max_len=96, prefill_chunk=16).generate(prompts, 16, stop_ids=NO_STOP).tokens
     engine = Engine(tiny_model, max_len=96, prefill_chunk=16,
@@ -316,7 +323,7 @@ def test_sampled_speculation_has_plain_sampling_distribution():
     """A 16-id vocabulary at temperature 1.3: over 1,024 seeded rows, the second and third
     generated ids are distributed alike with and without speculation (two-sample
     chi-square), with drafts both kept and rejected."""
-    model = randomize(K31ForCausalLM(tiny_config(vocab_size=16), rngs=nnx.Rngs(0)), 3, scale=0.3)
+    model = randomize(K31ForCausalLM(_four_layers(vocab_size=16), rngs=nnx.Rngs(0)), 3, scale=0.3)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     n, batch = 1024, 512
     greedy = Engine(model, max_len=64, prefill_chunk=16).generate([prompt], 3, stop_ids=NO_STOP).tokens[0]
