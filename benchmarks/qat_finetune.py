@@ -123,7 +123,7 @@ def finetune(kind: str, lr: float, seed: int, steps: list[int], setup: Setup, wo
             for label, m in models.items():
                 new, base = evaluate_both(m, tokenizer, setup)
                 rows.append(dict(model=label, lr=lr, seed=seed, step=step, new=new, base=base,
-                                 train_loss=float(metrics[-1]["loss"])))
+                                 train_loss=float(metrics[-1]["loss"]), min_lr_ratio=setup.min_lr_ratio))
             print(f"  {kind} lr {lr:g} seed {seed} step {step}: "
                   + ", ".join(f"{r['model']} {r['new']:.4f}/{r['base']:.4f}" for r in rows if r["step"] == step)
                   + f" ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -200,6 +200,11 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.steps) < 1 or any(s <= 10 for s in args.steps):
         parser.error("--steps: each must be > 10 (the warm-up)")
+    earlier = [json.loads(line) for line in args.rows.read_text().splitlines()] if args.rows else []
+    schedules = {r.get("min_lr_ratio", 1.0) for r in earlier if r["model"] != "shipped"}  # unrecorded: constant
+    if schedules - {args.min_lr_ratio}:  # the block's header states the flag's schedule
+        parser.error(f"--rows {args.rows}: its runs used min_lr_ratio {sorted(schedules)}, "
+                     f"not --min-lr-ratio {args.min_lr_ratio:g}")
 
     from k31jax.generate import load_model
     from k31jax.train import embedded_heldout_domain, language_reference_domain
@@ -210,7 +215,6 @@ def main() -> int:
                   seq_len=args.seq_len, batch_size=args.batch_size, base_batches=args.base_batches,
                   trainable=args.trainable, lora_rank=args.lora_rank, min_lr_ratio=args.min_lr_ratio)
     shipped = load_model()
-    earlier = [json.loads(line) for line in args.rows.read_text().splitlines()] if args.rows else []
     shipped_rows = [r for r in earlier if r["model"] == "shipped"]
     base_losses = ((shipped_rows[0]["new"], shipped_rows[0]["base"]) if shipped_rows
                    else evaluate_both(shipped.model, shipped.tokenizer, setup))
