@@ -324,7 +324,8 @@ class TrainSettings:
 def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, *, step: str = "decode",
                     batch: int = 8, context: int = 4096, chunk: int = 2048, rules=None,
                     backends: Backends | None = None, dump: str | Path | None = None,
-                    train: TrainSettings | None = None, draft: int = 8, slices: int = 1) -> CompileReport:
+                    train: TrainSettings | None = None, draft: int = 8, slices: int = 1,
+                    name: str | None = None) -> CompileReport:
     """Compile the engine's `step` program ("decode": one token per row with the donated cache;
     "verify": the speculative step over each row's last token and `draft` drafted ones;
     "prefill": one `chunk`-token call per row), or the trainer's step ("train", `train`
@@ -332,10 +333,11 @@ def compile_program(config: str | ModelConfig, topology: str, mesh: str | dict, 
     shapes, and report (`CompileReport.table()`, `.as_dict()`); `dump` writes the optimized HLO.
     With `slices` > 1 the program is compiled for that many such slices joined by the data-center
     network, `mesh` spanning all their devices with its `data` axis across the slices
-    (`slice_mesh`), and the report lists what crosses between slices."""
+    (`slice_mesh`), and the report lists what crosses between slices. `name` labels the model in
+    the report (default: the preset's name, or "model")."""
     if step not in STEPS:
         raise CompileError(f"--step {step!r}: expected one of {', '.join(STEPS)}")
-    name = config if isinstance(config, str) else "model"
+    name = name or (config if isinstance(config, str) else "model")
     cfg = ModelConfig.preset(config) if isinstance(config, str) else config
     devices = tpu_devices(topology, slices)
     m = slice_mesh(devices, mesh)
@@ -475,13 +477,12 @@ def _compile_train(cfg, name, topology, devices, mesh, shape, rules, backends, b
                "activations": 0, "total": 0}
     floor = donated
     note = "params, optimizer state and trainable read once"
-    if not t.lora_rank:  # the planner models the full-parameter QAT step
-        plan = plan_training(cfg, shape, trainable=t.trainable, optimizer=t.optimizer, master_dtype=t.master_dtype,
-                             remat=t.remat, seq_len=t.seq_len, micro_batch=batch, grad_accum=t.grad_accum,
-                             rules=rules, slices=slices)
-        planner.update(total=plan.total, activations=plan.total - donated)
-        if slices > 1:
-            planner["cross_slice"] = plan.cross_slice_bytes
+    plan = plan_training(cfg, shape, trainable=t.trainable, optimizer=t.optimizer, master_dtype=t.master_dtype,
+                         remat=t.remat, seq_len=t.seq_len, micro_batch=batch, grad_accum=t.grad_accum,
+                         rules=rules, slices=slices, lora_rank=t.lora_rank, lora_experts=t.lora_experts)
+    planner.update(total=plan.total, activations=plan.total - donated)
+    if slices > 1:
+        planner["cross_slice"] = plan.cross_slice_bytes
     kind = devices[0].device_kind
     return CompileReport("train", name, topology_name(topology), len(devices), kind, shape, rules_name(rules),
                          batch, t.seq_len, batch * t.seq_len * t.grad_accum, lower_s, compile_s, memory,

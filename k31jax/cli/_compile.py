@@ -10,15 +10,15 @@ from pathlib import Path
 
 import jax
 
-from ..config import preset_names
 from ..distributed import backends_started
 from ._common import UsageError, check_int, install
+from ._paper import check_config_arg, config_help, read_config
 
 
 def register(sub) -> None:
     p = sub.add_parser("compile", help="compile the decode / prefill program for a TPU slice (no TPU needed) "
                                        "and report its memory and traffic")
-    p.add_argument("--config", default="k31_pro", help=f"preset: {', '.join(preset_names())}")
+    p.add_argument("--config", default="k31_pro", help=config_help("k31_pro"))
     p.add_argument("--topology", default="v5p:4x4x4",
                    help="libtpu topology (v5p:4x4x4, tpu7x:2x2x2, v5e:4x4, v6e:4x4, v4:2x2x2) or a named "
                         "slice (v5p-128 = 64 chips, tpu7x-64, v5e-16)")
@@ -57,8 +57,7 @@ def register(sub) -> None:
 
 
 def _check(args) -> None:
-    if args.config not in preset_names():
-        raise UsageError(f"--config {args.config!r}: expected one of {', '.join(preset_names())}")
+    check_config_arg(args.config)
     for flag in ("batch", "context", "chunk", "seq_len", "grad_accum", "draft", "slices"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
     check_int("--lora-rank", args.lora_rank, low=0)
@@ -78,10 +77,11 @@ def _run(args) -> int:
                                   remat=args.remat, optimizer=args.optimizer,
                                   trainable=args.trainable, master_dtype=args.master_dtype, seq_len=args.seq_len,
                                   grad_accum=args.grad_accum)
-        report = aot.compile_program(args.config, args.topology, args.mesh, step=args.step, batch=args.batch,
-                                     context=args.context, chunk=args.chunk, rules=args.rules, dump=args.dump,
-                                     train=train, backends=Backends(kernels=args.kernels, ep="ragged"),
-                                     draft=args.draft, slices=args.slices)
+        report = aot.compile_program(read_config(args.config), args.topology, args.mesh, step=args.step,
+                                     batch=args.batch, context=args.context, chunk=args.chunk, rules=args.rules,
+                                     dump=args.dump, train=train, backends=Backends(kernels=args.kernels, ep="ragged"),
+                                     draft=args.draft, slices=args.slices,
+                                     name=Path(args.config).stem if Path(args.config).exists() else args.config)
     except aot.CompileError as exc:
         raise UsageError(str(exc)) from None
     print(report.table())

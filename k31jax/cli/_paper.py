@@ -1,5 +1,5 @@
 """`k31jax info` (parameter counts) and `k31jax plan` (per-device memory of inference, or with
-`--train` of a QAT fine-tuning step), both on paper."""
+`--train` of a QAT or LoRA fine-tuning step), both on paper."""
 
 from __future__ import annotations
 
@@ -17,28 +17,28 @@ from ..vision import count_vision_params
 from ._common import UsageError, check_float, check_int, check_mesh_spec, install
 
 
-def _config(spec: str) -> ModelConfig:
+def read_config(spec: str) -> ModelConfig:
     if spec == DEFAULT_MODEL:  # the shipped model's own config (its preset differs: bf16 experts)
         return ModelConfig.from_hf(embedded_model_dir() / "config.json")
     return ModelConfig.from_hf(spec) if Path(spec).exists() else ModelConfig.preset(spec)
 
 
-def _config_help(default: str) -> str:
+def config_help(default: str) -> str:
     return f"preset ({', '.join(preset_names())}) or path to a config.json (default: {default})"
 
 
-def _check_config_arg(spec: str) -> None:
+def check_config_arg(spec: str) -> None:
     if not Path(spec).exists() and spec not in preset_names():
         raise UsageError(f"--config {spec!r}: no such config file, and not a preset (presets: "
                          f"{', '.join(preset_names())})")
 
 
 def _check_info_args(args) -> None:
-    _check_config_arg(args.config)
+    check_config_arg(args.config)
 
 
 def _check_plan_args(args) -> None:
-    _check_config_arg(args.config)
+    check_config_arg(args.config)
     check_mesh_spec("--mesh", args.mesh)
     for flag in ("batch", "context", "chunk", "seq_len", "micro_batch", "grad_accum", "vocab_chunk", "slices"):
         check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), low=1)
@@ -50,11 +50,19 @@ def _check_plan_args(args) -> None:
                          "multiple of the slices (data parallelism runs across slices)")
     check_float("--usable", args.usable, low=0, low_open=True, high=1)
     if args.train and args.expert_weights:
-        raise UsageError("--expert-weights does not apply with --train (QAT trains float master experts)")
+        raise UsageError("--expert-weights does not apply with --train (QAT trains float master experts; LoRA keeps "
+                         "the config's)")
+    check_int("--lora-rank", args.lora_rank, low=0)
+    if (args.lora_rank or args.lora_experts) and not args.train:
+        raise UsageError("--lora-rank / --lora-experts apply with --train")
+    if args.lora_experts and not args.lora_rank:
+        raise UsageError("--lora-experts needs --lora-rank > 0 (adapters need a rank)")
+    if args.lora_rank and args.optimizer != "adamw":
+        raise UsageError(f"--optimizer {args.optimizer} with --lora-rank: LoRA adapters train with AdamW")
 
 
 def _cmd_info(args) -> int:
-    cfg = _config(args.config)
+    cfg = read_config(args.config)
     counts = count_params(cfg)
     what = (" (the embedded default model: what generate, chat and serve run without --ckpt)"
             if args.config == DEFAULT_MODEL else "")
@@ -74,7 +82,7 @@ def _cmd_info(args) -> int:
 
 def register_info(sub) -> None:
     info = sub.add_parser("info", help="parameter counts and bytes of a config, on paper")
-    info.add_argument("--config", default=DEFAULT_MODEL, help=_config_help(f"{DEFAULT_MODEL}, the embedded "
+    info.add_argument("--config", default=DEFAULT_MODEL, help=config_help(f"{DEFAULT_MODEL}, the embedded "
                                                                            "default model"))
     install(info, "info", _cmd_info, validate=_check_info_args)
 
@@ -85,7 +93,8 @@ _TRAIN_MAX_DEVICES = 4096
 def _cmd_plan_train(args, cfg: ModelConfig, name: str) -> int:
     options = dict(trainable=args.trainable, optimizer=args.optimizer, master_dtype=args.master_dtype,
                    remat=args.remat, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                   grad_accum=args.grad_accum, vocab_chunk=args.vocab_chunk)
+                   grad_accum=args.grad_accum, vocab_chunk=args.vocab_chunk, lora_rank=args.lora_rank,
+                   lora_experts=args.lora_experts)
     p = dataclasses.replace(plan_training(cfg, args.mesh, rules=args.rules, slices=args.slices, **options),
                             config_name=name)
     print(p.table(args.device, args.usable))
@@ -108,7 +117,7 @@ def _cmd_plan_train(args, cfg: ModelConfig, name: str) -> int:
 
 
 def _cmd_plan(args) -> int:
-    cfg = _config(args.config)
+    cfg = read_config(args.config)
     name = Path(args.config).stem if Path(args.config).exists() else args.config
     if args.train:
         return _cmd_plan_train(args, cfg, name)
@@ -135,7 +144,7 @@ def _cmd_plan(args) -> int:
 
 def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory of a config on a mesh, on paper")
-    p.add_argument("--config", default="k31_pro", help=_config_help("k31_pro"))
+    p.add_argument("--config", default="k31_pro", help=config_help("k31_pro"))
     p.add_argument("--mesh", default="expert=8,tensor=8", help="e.g. expert=8,tensor=8")
     p.add_argument("--rules", default=None, choices=sorted(RULE_TABLES), help="default: from the mesh")
     p.add_argument("--batch", type=int, default=1)
@@ -147,7 +156,8 @@ def register_plan(sub) -> None:
     p.add_argument("--usable", type=float, default=0.9, help="usable fraction of HBM (runtime reserve)")
     p.add_argument("--expert-weights", choices=["mxfp4", "bf16"], default=None)
     p.add_argument("--all-devices", action="store_true", help="suggest a mesh for every device type")
-    t = p.add_argument_group("--train: one QAT fine-tuning step (float master experts fake-quantised to MXFP4)")
+    t = p.add_argument_group("--train: one QAT fine-tuning step (float master experts fake-quantised to MXFP4), "
+                                  "or with --lora-rank one LoRA step on the frozen base")
     t.add_argument("--train", action="store_true", help="plan a training step instead of inference")
     t.add_argument("--trainable", choices=TRAINABLE_SETS, default="experts")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -157,6 +167,10 @@ def register_plan(sub) -> None:
     t.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--vocab-chunk", type=int, default=4096, help="the streamed loss's vocabulary chunk")
+    t.add_argument("--lora-rank", type=int, default=0,
+                   help="plan a LoRA step instead: adapters of this rank on attention and the shared experts, the "
+                        "base frozen (packed MXFP4 experts stay packed); --trainable does not apply")
+    t.add_argument("--lora-experts", action="store_true", help="LoRA adapters beside the routed experts too")
     t.add_argument("--slices", type=int, default=1,
                    help="TPU slices the mesh spans, its data axis across them: adds the bytes each device "
                         "sends between slices per step")

@@ -1,4 +1,4 @@
-"""Per-device memory of one QAT fine-tuning step on a mesh, on paper (`k31jax plan --train`).
+"""Per-device memory of one QAT or LoRA fine-tuning step on a mesh, on paper (`k31jax plan --train`).
 
 What `k31jax.train` holds per device during `train_step`, term by term:
 
@@ -40,6 +40,20 @@ What `k31jax.train` holds per device during `train_step`, term by term:
   within 5% of `saved_residuals` of a small model (and of one expert-parallel MoE layer on
   a CPU mesh). XLA's own fusion and buffer reuse are not modelled: read the activations as
   the saved-residual footprint, not a profiler's peak.
+
+A **LoRA step** (`lora_rank` > 0, `k31jax train --lora-rank`) holds instead:
+- the frozen base as the step takes it: packed MXFP4 experts stay packed (and with adapters
+  beside the routed experts, their slots), everything else in the master dtype. Exact.
+- the fp32 adapters, their gradients and AdamW moments (`lora_bytes`), split as
+  `k31jax.train.lora_shardings` places them: each factor along its weight's axes. Exact
+  (checked against the arguments of the trainer's abstract step).
+- the activations of the same forward pass (the packed experts decoded one layer at a time
+  where QAT fake-quantises them: the same bytes), plus what `apply_lora` makes before the
+  layers run: a merged copy `W + A B` of every adapted weight, every layer, live through the
+  backward pass, and its cotangent of the same size, accumulated by the layer scan's backward
+  and turned into the factors' gradients after it. The merged copies are checked against
+  JAX's saved residuals; the cotangents only against the compiler (benchmarks/RESULTS.md
+  "## compile").
 """
 
 from __future__ import annotations
@@ -74,6 +88,23 @@ _TRAINED = {
 TRAINABLE_SETS = tuple(_TRAINED)
 
 
+# The weights a LoRA run adapts (regexes matched in full against parameter paths): KDA q/k/v/o,
+# MLA q (q_a/q_b or q), kv_a/kv_b and o, and the shared experts; `EXPERT_LORA_TARGET` adds the
+# routed experts. `k31jax.train` creates its adapters from this table, the planner counts them.
+DEFAULT_LORA_TARGETS = (
+    r"kda/[qkvo]_proj",
+    r"mla/(q|q_a|q_b|kv_a|kv_b|o)_proj",
+    r"moe/shared/(gate|up|down)_proj",
+)
+EXPERT_LORA_TARGET = r"moe/w_(gate|up|down)"
+_ADAPTER_SLOTS = re.compile(r"(.*)/adapter_([ab])")  # packed experts' slots (`nn.with_expert_adapters`)
+
+
+def lora_targets(experts: bool) -> tuple[str, ...]:
+    """The adapted weights of a LoRA run (`experts`: the routed experts too)."""
+    return DEFAULT_LORA_TARGETS + ((EXPERT_LORA_TARGET,) if experts else ())
+
+
 def is_trained(trainable: str, path: str) -> bool:
     """Whether the trainable set `trainable` (one of `TRAINABLE_SETS`) trains the leaf at `path`."""
     return _TRAINED[trainable](path)
@@ -84,8 +115,8 @@ MASTER_DTYPES = ("float32", "bfloat16")
 
 # optax step counters of `make_optimizer`: AdamW (decay / no-decay groups) 2 x (Adam count +
 # schedule count) int32; Muon adds its own count, schedule count, Adam-side counts and the
-# 3 float32 Newton-Schulz coefficients.
-_COUNTER_BYTES = {"adamw": 16, "muon": 44}
+# 3 float32 Newton-Schulz coefficients; `make_lora_optimizer` one AdamW.
+_COUNTER_BYTES = {"adamw": 16, "muon": 44, "lora": 8}  # LoRA: one AdamW (Adam + schedule counts)
 _F32 = 4
 
 try:  # what JAX keeps for a backward pass (not re-exported publicly by every jax version)
@@ -111,6 +142,53 @@ def _label(path: str, names: tuple, dtype, trainable: str, optimizer: str) -> st
 def training_config(cfg: ModelConfig, master_dtype: str) -> ModelConfig:
     """The model as `k31jax.train` trains it: float master experts in `master_dtype`, QAT on."""
     return cfg.replace(expert_weights="bf16", dtype=master_dtype, expert_qat=bool(cfg.moe_layers))
+
+
+def lora_config(cfg: ModelConfig, master_dtype: str, rank: int, experts: bool) -> ModelConfig:
+    """The model as a LoRA run holds it (`k31jax.train.training_form`): packed MXFP4 experts
+    stay packed and frozen (with adapter slots beside them when `experts`), float experts are
+    float masters with QAT on; everything in `master_dtype`."""
+    packed = cfg.expert_weights == "mxfp4"
+    return cfg.replace(expert_weights="mxfp4" if packed else "bf16", dtype=master_dtype,
+                       expert_qat=bool(cfg.moe_layers) and not packed,
+                       expert_adapter_rank=rank if packed and experts else 0)
+
+
+def lora_bytes(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, rank: int,
+               experts: bool) -> dict[str, int]:
+    """Per-device bytes of a LoRA step's state and of its merged weights (`cfg` in its LoRA
+    form): the frozen base as held, the fp32 adapters (`A [..., n, r]` split as the weight's
+    leading and input axes, `B [..., r, m]` as its leading and output axes; beside packed
+    experts, their slots' shapes and splits), their gradients and AdamW moments, and what
+    `k31jax.train.apply_lora` makes each step: a merged copy of every adapted float weight (and
+    of each slotted factor) in the weight's dtype, with a cotangent of the same size in the
+    backward pass."""
+    out = {f"{what}_{part}": 0 for what in ("weights", "grads", "moments") for part in ("experts", "rest")}
+    out.update(trained=0, largest_trained=0, adapters=0, merged=0, counters=_COUNTER_BYTES["lora"])
+    patterns = [re.compile(t) for t in lora_targets(experts)]
+    for path, shape, dtype, names in _param_leaves(cfg):
+        name = "/".join(path)
+        n = _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules), mesh_shape)
+        part = "experts" if _ROUTED_EXPERTS.fullmatch(name) else "rest"
+        slot = _ADAPTER_SLOTS.fullmatch(name)
+        out["weights_" + ("experts" if slot else part)] += n
+        if slot:  # the slot's factor, trained in fp32; the slot itself holds its cast copy
+            factors = [(shape, names)]
+            part = "experts"
+        elif any(p.fullmatch(name) for p in patterns) and jnp.issubdtype(dtype, jnp.floating) and len(shape) >= 2:
+            factors = [((*shape[:-1], rank), (*names[:-1], None)),
+                       ((*shape[:-2], rank, shape[-1]), (*names[:-2], None, names[-1]))]
+        else:
+            continue
+        out["merged"] += n
+        for f_shape, f_names in factors:
+            m = _shard_bytes(f_shape, jnp.float32, logical_to_spec(f_names, f_shape, mesh_shape, rules), mesh_shape)
+            out["adapters"] += m
+            out["grads_" + part] += m
+            out["moments_" + part] += 2 * m
+            out["trained"] += m
+            out["largest_trained"] = max(out["largest_trained"], m)
+    return out
 
 
 def state_bytes(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, trainable: str,
@@ -252,12 +330,14 @@ def _moe(loc: _Local) -> tuple[float, float, float, float]:
     return experts + outside, dots, fake_quant, in_rounds
 
 
-def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules) -> dict[str, float]:
-    """One layer's slice of each stacked kind's weights (routed experts excluded), per device:
+def _layer_slice_bytes(cfg: ModelConfig, mesh_shape, rules, merged: tuple[str, ...] = ()) -> dict[str, float]:
+    """One layer's slice of each stacked kind's weights (routed experts excluded, and the
+    weights matching a `merged` regex, whose LoRA-merged copies are counted whole), per device:
     what a layer of that kind saves for its matmuls' backward without remat."""
     out = dict.fromkeys(_KINDS, 0.0)
     for path, shape, dtype, names in _param_leaves(cfg):
-        if path[0] in _KINDS and not _ROUTED_EXPERTS.fullmatch("/".join(path)):
+        name = "/".join(path)
+        if path[0] in _KINDS and not _ROUTED_EXPERTS.fullmatch(name) and not any(re.fullmatch(m, name) for m in merged):
             out[path[0]] += _shard_bytes(shape, dtype, logical_to_spec(names, shape, mesh_shape, rules),
                                          mesh_shape) / shape[0]
     return out
@@ -270,9 +350,10 @@ def _layer_kinds(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, *, remat: str, seq_len: int,
-                     micro_batch: int, vocab_chunk: int = 4096) -> dict[str, float]:
+                     micro_batch: int, vocab_chunk: int = 4096, merged: tuple[str, ...] = ()) -> dict[str, float]:
     """The activation terms of one micro-batch (`cfg` in its training form), per device:
-    `saved_*` live through the backward pass, `layer_backward` / `loss_chunk` are transient."""
+    `saved_*` live through the backward pass, `layer_backward` / `loss_chunk` are transient.
+    `merged`: the regexes of LoRA-adapted weights (their merged copies are not counted here)."""
     loc = _Local(cfg, dict(mesh_shape), rules, micro_batch, seq_len)
     a, n, d, layers = loc.act, loc.tokens, cfg.hidden_size, cfg.num_hidden_layers
     kinds = {"kda": _kda(loc) if cfg.kda_layers else (0, 0), "mla": _mla(loc) if cfg.mla_layers else (0, 0),
@@ -295,7 +376,7 @@ def activation_terms(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rul
     moe_count = sum(f == "moe" for _, f in per_layer)
     if remat == "none":
         out["saved_intermediates"] = sum(layer_all)
-        slices = _layer_slice_bytes(cfg, mesh_shape, rules)
+        slices = _layer_slice_bytes(cfg, mesh_shape, rules, merged)
         out["saved_weight_slices"] = sum(slices[m] + slices[f] for m, f in per_layer)
         out["fake_quant"] = moe_count * fake_quant
         out["layer_backward"] = 2 * carry + moe_round  # the cotangents into and out of the layer
@@ -333,6 +414,9 @@ class TrainingMemoryPlan:
     activations: dict[str, float]
     notes: tuple[str, ...] = ()
     slices: int = 1  # TPU slices joined by the data-center network; the data axis runs across them
+    lora_rank: int = 0  # > 0: a LoRA step (adapters of this rank on the frozen base), not a QAT one
+    lora_experts: bool = False  # LoRA adapters beside the routed experts too
+    packed_experts: bool = False  # LoRA: the routed experts stay packed MXFP4 (decoded per layer as used)
 
     @property
     def cross_slice_bytes(self) -> int:
@@ -349,7 +433,8 @@ class TrainingMemoryPlan:
 
     @property
     def weights(self) -> int:
-        return self.state["weights_experts"] + self.state["weights_rest"]
+        """The parameters as the step holds them (under LoRA: the frozen base and the adapters)."""
+        return self.state["weights_experts"] + self.state["weights_rest"] + self.state.get("adapters", 0)
 
     @property
     def gradients(self) -> int:
@@ -370,7 +455,8 @@ class TrainingMemoryPlan:
         act = self.activations
         layer = act["layer_backward"] + (act["fake_quant"] if self.remat != "none" else 0)
         saved = self.saved_activations + (act["fake_quant"] if self.remat == "none" else 0)
-        return saved + int(max(layer, act["loss_chunk"]))
+        merged = act.get("lora_merged", 0) + act.get("lora_cotangents", 0)  # live through the backward pass
+        return saved + int(merged) + int(max(layer, act["loss_chunk"]))
 
     @property
     def update_transient(self) -> int:
@@ -391,39 +477,61 @@ class TrainingMemoryPlan:
         """What the activations phase adds on top of weights, gradients and optimizer state."""
         return max(self.backward_peak, self.update_transient)
 
-    def table(self, device: str | None = None, usable: float = 0.9) -> str:
-        s, act, dt = self.state, self.activations, self.master_dtype
+    def _state_rows(self) -> list[tuple[str, float]]:
+        s, dt = self.state, self.master_dtype
+        if self.lora_rank:
+            experts = ("packed MXFP4" if self.packed_experts else dt) + ", frozen"
+            experts += "; their adapter slots" if self.lora_experts and self.packed_experts else ""
+            return [(f"base weights: routed experts ({experts})", s["weights_experts"]),
+                    (f"base weights: everything else ({dt}, frozen)", s["weights_rest"]),
+                    (f"LoRA adapters, rank {self.lora_rank} (fp32)", s["adapters"]),
+                    ("gradients: adapters", s["trained"]),
+                    ("gradient accumulator (grad_accum > 1)", self.gradients - s["trained"]),
+                    ("optimizer: AdamW moments, adapters", s["moments_experts"] + s["moments_rest"]),
+                    ("optimizer: step counters", s["counters"])]
         opt = "Muon momentum + AdamW moments" if self.optimizer == "muon" else "AdamW moments"
-        rows = [
-            (f"master weights: routed experts ({dt})", s["weights_experts"]),
-            (f"master weights: everything else ({dt}, f32 leaves f32)", s["weights_rest"]),
-            ("gradients: routed experts (trained)", s["grads_experts"]),
-            ("gradients: everything else (trained)", s["grads_rest"]),
-            ("gradient accumulator (grad_accum > 1)", self.gradients - s["trained"]),
-            (f"optimizer: {opt}, routed experts", s["moments_experts"]),
-            (f"optimizer: {opt}, everything else", s["moments_rest"]),
-            ("optimizer: step counters", s["counters"]),
+        return [(f"master weights: routed experts ({dt})", s["weights_experts"]),
+                (f"master weights: everything else ({dt}, f32 leaves f32)", s["weights_rest"]),
+                ("gradients: routed experts (trained)", s["grads_experts"]),
+                ("gradients: everything else (trained)", s["grads_rest"]),
+                ("gradient accumulator (grad_accum > 1)", self.gradients - s["trained"]),
+                (f"optimizer: {opt}, routed experts", s["moments_experts"]),
+                (f"optimizer: {opt}, everything else", s["moments_rest"]),
+                ("optimizer: step counters", s["counters"])]
+
+    def table(self, device: str | None = None, usable: float = 0.9) -> str:
+        act = self.activations
+        experts = "decoded" if self.packed_experts else "fake-quant"
+        rows = self._state_rows() + [
             (f"act. saved: layer inputs (prefix + AttnRes blocks) x {self.layers}", act["saved_carry"]),
             (f"act. saved: layer intermediates x {self.layers}" + (" (matmul outputs)" if self.remat == "dots" else ""),
              act["saved_intermediates"]),
             (f"act. saved: per-layer weight slices x {self.layers}", act["saved_weight_slices"]),
             ("act. saved: embedding, output mix, loss inputs", act["saved_outside"]),
-            ("act. QAT fake-quant experts, " + (f"x {self.layers}" if self.remat == "none" else "one layer"),
+            (f"act. {experts} experts, " + (f"x {self.layers}" if self.remat == "none" else "one layer"),
              act["fake_quant"]),
+        ] + ([
+            ("act. merged adapted weights, every layer", act["lora_merged"]),
+            ("act. their cotangents (backward pass)", act["lora_cotangents"]),
+        ] if self.lora_rank else []) + [
             ("act. one layer's backward (recompute + cotangents)", act["layer_backward"]),
             ("act. loss: one vocab chunk of logits", act["loss_chunk"]),
             ("optimizer update, largest trained leaf", self.update_transient),
         ]
-        head = (f"{self.config_name} QAT fine-tune on {mesh_str(self.mesh)} ({self.devices} devices, rules "
-                f"{self.rules_name}): trainable {self.trainable}, {self.optimizer}, {dt} masters, remat "
+        what = (f"LoRA fine-tune (rank {self.lora_rank}, adapters on attention and the shared experts"
+                + (" and beside the routed experts" if self.lora_experts else "") + ", AdamW)" if self.lora_rank
+                else f"QAT fine-tune (trainable {self.trainable}, {self.optimizer})")
+        head = (f"{self.config_name} {what} on {mesh_str(self.mesh)} ({self.devices} devices, rules "
+                f"{self.rules_name}): {self.master_dtype} " + ("base" if self.lora_rank else "masters") + ", remat "
                 f"{self.remat}, micro-batch {self.micro_batch} x {self.seq_len:,} tokens"
                 + (f", grad_accum {self.grad_accum}" if self.grad_accum > 1 else ""))
         w = max(len(r[0]) for r in rows) + 2
         lines = [head, f"{'per device':<{w}}{'bytes':>19}{'GB':>9}"]
         lines += [f"{label:<{w}}{int(n):>19,}{n / GB:>9.2f}" for label, n in rows]
         lines.append(f"{'total':<{w}}{self.total:>19,}{self.total / GB:>9.2f}")
-        lines.append("total = weights + gradients + optimizer + max(saved act. + max(fake-quant + one layer's "
-                     "backward, loss chunk), update)")
+        lines.append("total = weights + gradients + optimizer + max(saved act. + "
+                     + ("merged weights + their cotangents + " if self.lora_rank else "")
+                     + f"max({experts} experts + one layer's backward, loss chunk), update)")
         if self.slices > 1:
             lines.append(f"across {self.slices} slices (data-center network), per device per step: the trained "
                          f"gradients' shard, {self.cross_slice_bytes / GB:.3f} GB, one all-reduce")
@@ -455,13 +563,27 @@ def plan_training(
     vocab_chunk: int = 4096,
     rules: Rules | str | None = None,
     slices: int = 1,
+    lora_rank: int = 0,
+    lora_experts: bool = False,
 ) -> TrainingMemoryPlan:
     """The per-device memory of one QAT fine-tuning step of `config` on `mesh` (no allocation):
     master weights, gradients, optimizer state and the activations of one micro-batch of
     `micro_batch` rows x `seq_len` tokens under `remat` (module docstring). With `slices` > 1
-    the mesh spans that many TPU slices, its `data` axis across them (`cross_slice_bytes`)."""
+    the mesh spans that many TPU slices, its `data` axis across them (`cross_slice_bytes`).
+
+    With `lora_rank` > 0, one LoRA step instead (`k31jax train --lora-rank`): the base frozen
+    (packed experts stay packed), rank-`lora_rank` adapters on `DEFAULT_LORA_TARGETS` (and
+    beside the routed experts with `lora_experts`) trained with AdamW; `trainable` and
+    `optimizer` do not apply (`lora_bytes`)."""
     _check_choice("trainable", trainable, TRAINABLE_SETS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
+    if not (isinstance(lora_rank, (int, np.integer)) and lora_rank >= 0):
+        raise ValueError(f"plan_training: lora_rank={lora_rank!r}, expected an int >= 0")
+    if lora_experts and not lora_rank:
+        raise ValueError("plan_training: lora_experts=True with lora_rank=0: adapters need a rank")
+    if lora_rank and optimizer != "adamw":
+        raise ValueError(f"plan_training: optimizer={optimizer!r} with lora_rank={lora_rank}: LoRA adapters train "
+                         "with AdamW")
     _check_choice("master_dtype", master_dtype, MASTER_DTYPES)
     _check_choice("remat", remat, REMAT_POLICIES)
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum),
@@ -470,18 +592,24 @@ def plan_training(
             raise ValueError(f"plan_training: {name}={value!r}, expected an int >= 1")
     name = config if isinstance(config, str) else "model"
     cfg = ModelConfig.preset(config) if isinstance(config, str) else config
-    cfg = training_config(cfg, master_dtype)
+    packed = bool(lora_rank) and cfg.expert_weights == "mxfp4"
+    cfg = lora_config(cfg, master_dtype, lora_rank, lora_experts) if lora_rank else training_config(cfg, master_dtype)
     shape = parse_mesh(mesh)
     if shape["data"] % slices:
         raise ValueError(f"plan_training: mesh {mesh_str(shape)} over {slices} slices: data={shape['data']} is not a "
                          "multiple of the slices (data parallelism runs across slices)")
     rules = get_rules(rules) or rules_for_mesh(shape)
+    activations = activation_terms(cfg, shape, rules, remat=remat, seq_len=seq_len, micro_batch=micro_batch,
+                                   vocab_chunk=vocab_chunk, merged=lora_targets(lora_experts) if lora_rank else ())
+    if lora_rank:
+        state = lora_bytes(cfg, shape, rules, lora_rank, lora_experts)
+        activations.update(lora_merged=state["merged"], lora_cotangents=state["merged"])
+    else:
+        state = state_bytes(cfg, shape, rules, trainable, optimizer)
     return TrainingMemoryPlan(
         name, shape, rules_name(rules), trainable, optimizer, master_dtype, remat, seq_len, micro_batch, grad_accum,
-        cfg.num_hidden_layers, state_bytes(cfg, shape, rules, trainable, optimizer),
-        activation_terms(cfg, shape, rules, remat=remat, seq_len=seq_len, micro_batch=micro_batch,
-                         vocab_chunk=vocab_chunk),
-        _notes(cfg, shape, rules, micro_batch), slices)
+        cfg.num_hidden_layers, state, activations, _notes(cfg, shape, rules, micro_batch), slices, lora_rank,
+        lora_experts, packed)
 
 
 def _qat_refusal(cfg: ModelConfig, mesh_shape, rules) -> str | None:
@@ -501,7 +629,7 @@ def _qat_refusal(cfg: ModelConfig, mesh_shape, rules) -> str | None:
 
 
 def _notes(cfg: ModelConfig, mesh_shape, rules, micro_batch: int) -> tuple[str, ...]:
-    notes = [n for n in (_qat_refusal(cfg, mesh_shape, rules),) if n]
+    notes = [n for n in (_qat_refusal(cfg, mesh_shape, rules) if cfg.expert_qat else None,) if n]
     batch = dict(rules).get("batch") or ()
     axes = [ax for ax in ((batch,) if isinstance(batch, str) else batch) if mesh_shape.get(ax, 1) > 1]
     ways = math.prod(mesh_shape[ax] for ax in axes)
@@ -521,12 +649,14 @@ def suggest_training_mesh(config: ModelConfig | str, device: str, *, usable: flo
     multiple of the 32-blocks) and expert counts the `expert` axis does not divide are skipped."""
     cfg = ModelConfig.preset(config) if isinstance(config, str) else config
     _check_choice("master_dtype", options.get("master_dtype", "float32"), MASTER_DTYPES)
-    train_cfg = training_config(cfg, options.get("master_dtype", "float32"))
+    dtype = options.get("master_dtype", "float32")
+    train_cfg = (lora_config(cfg, dtype, options["lora_rank"], options.get("lora_experts", False))
+                 if options.get("lora_rank") else training_config(cfg, dtype))
     best = None
     for mesh, rules in candidate_meshes(max_devices):
         if best is not None and math.prod(mesh.values()) > best.devices:
             break
-        if _qat_refusal(train_cfg, parse_mesh(mesh), get_rules(rules)):
+        if train_cfg.expert_qat and _qat_refusal(train_cfg, parse_mesh(mesh), get_rules(rules)):
             continue
         p = plan_training(cfg, mesh, rules=rules, **options)
         p = dataclasses.replace(p, config_name=config if isinstance(config, str) else "model")

@@ -46,21 +46,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..ckpt import ShardWriter, load_tensor, read_header
+from ..distributed import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET
+from ..sharding import current_rules, get_rules, logical_to_spec
 from ..nn import with_expert_adapters
 from ._optim import map_by_path
 
-DEFAULT_LORA_TARGETS = (
-    r"kda/[qkvo]_proj",
-    r"mla/(q|q_a|q_b|kv_a|kv_b|o)_proj",
-    r"moe/shared/(gate|up|down)_proj",
-)
-# The routed experts (`TrainConfig.lora_experts`): float experts merge like any weight; packed
-# MXFP4 ones keep their bytes and take the adapters beside them (`nn.with_expert_adapters`
-# gives the model the slots, `[..., E, out, r]` and `[..., E, r, in]`: the path names the
-# packed weight, `a` is its `[out, r]` factor and `b` its `[r, in]` one).
-EXPERT_LORA_TARGET = r"moe/w_(gate|up|down)"
+# The targets' table lives with the training planner (`distributed.DEFAULT_LORA_TARGETS`), which
+# counts the adapters from it. The routed experts (`EXPERT_LORA_TARGET`, `TrainConfig.lora_experts`):
+# float experts merge like any weight; packed MXFP4 ones keep their bytes and take the adapters
+# beside them (`nn.with_expert_adapters` gives the model the slots, `[..., E, out, r]` and
+# `[..., E, r, in]`: the path names the packed weight, `a` is its `[out, r]` factor and `b` its
+# `[r, in]` one).
 _SLOT_A, _SLOT_B = "/adapter_a", "/adapter_b"
 
 
@@ -139,6 +139,36 @@ def init_lora(
         a[path] = jax.random.normal(jax.random.fold_in(rng, i), (*lead, n, rank), jnp.float32) / math.sqrt(n)
         b[path] = jnp.zeros((*lead, rank, m), jnp.float32)
     return LoraState(a=a, b=b, alpha=float(alpha), rank=rank)
+
+
+def lora_shardings(lora: LoraState, params_state, mesh, rules=None) -> LoraState:
+    """Where each factor of `lora` (arrays or shapes) lives on `mesh` under `rules` (default:
+    the active ones): split as its weight is, `A [..., n, r]` along the weight's leading and
+    input axes and `B [..., r, m]` along its leading and output axes, the rank axis whole; a
+    packed expert's factors as its adapter slots. Set explicitly so that the step's placement
+    of them is the planner's (`distributed.plan_training(lora_rank=...)`), not whatever the
+    compiler would choose for unplaced ones."""
+    names: dict[str, tuple] = {}
+
+    def record(path, v):
+        value = _value(v)
+        axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        names[path] = tuple(axes) if axes is not None else (None,) * len(value.shape)
+
+    map_by_path(record, params_state)
+    shape = dict(mesh.shape)
+    rules = get_rules(rules) or current_rules(shape)
+
+    def placed(path, factor, part):
+        if path + (_SLOT_A if part == "a" else _SLOT_B) in names:
+            axes = names[path + (_SLOT_A if part == "a" else _SLOT_B)]
+        else:
+            w = names[path]
+            axes = (*w[:-1], None) if part == "a" else (*w[:-2], None, w[-1])
+        return NamedSharding(mesh, P(*logical_to_spec(axes, factor.shape, shape, rules)))
+
+    return LoraState(a={p: placed(p, x, "a") for p, x in lora.a.items()},
+                     b={p: placed(p, x, "b") for p, x in lora.b.items()}, alpha=lora.alpha, rank=lora.rank)
 
 
 def lora_delta(lora: LoraState, path: str) -> jax.Array:

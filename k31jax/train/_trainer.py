@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ..chat import TokenizerBase
 from ..config import ModelConfig
 from ..ckpt import convert, write_synthetic_release
-from ..distributed import any_process, barrier, gather_json, host_copy, is_primary, shard_model
+from ..distributed import any_process, barrier, gather_json, host_copy, is_primary, lora_targets, shard_model
 from ..generate import DEFAULT_MODEL, embedded_model_dir, load_model
 from ..generate import load_tokenizer, tokenizer_dir
 from ..nn import (K31ForCausalLM, abstract_model, dequantize_experts, merge_expert_adapters, quantize_experts,
@@ -44,7 +44,7 @@ from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
 from ._data import DataConfig, HoldoutSplit, ShardedIterator, holdout_split, make_dataset, resolved_holdout
 from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
-from ._lora import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, apply_lora, init_lora, routed_expert_digest, save_adapter
+from ._lora import apply_lora, lora_shardings, init_lora, routed_expert_digest, save_adapter
 from ._metrics import MetricsLog, compiling_note
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
                      param_labels)
@@ -82,11 +82,6 @@ def with_config(model: K31ForCausalLM, cfg: ModelConfig) -> K31ForCausalLM:
     cast = jax.tree.map(lambda v, t: jnp.asarray(v, t.dtype), values, nnx.to_pure_dict(target))
     nnx.replace_by_pure_dict(target, cast)
     return nnx.merge(graphdef, target)
-
-
-def lora_targets(experts: bool) -> tuple[str, ...]:
-    """The adapted weights of a LoRA run (`TrainConfig.lora_experts`: the routed experts too)."""
-    return DEFAULT_LORA_TARGETS + ((EXPERT_LORA_TARGET,) if experts else ())
 
 
 def training_form(model: K31ForCausalLM, cfg: TrainConfig) -> K31ForCausalLM:
@@ -325,8 +320,12 @@ class Trainer:
         self.graphdef, state = nnx.split(model)
         self.params = nnx.to_pure_dict(state)
         if cfg.lora_rank:
-            self.trainable = init_lora(state, lora_targets(cfg.lora_experts), cfg.lora_rank, cfg.lora_alpha,
-                                       jax.random.key(cfg.seed))
+            def fresh():
+                return init_lora(state, lora_targets(cfg.lora_experts), cfg.lora_rank, cfg.lora_alpha,
+                                 jax.random.key(cfg.seed))
+            # made where the step takes them (split as their weights), never whole on one device
+            where = None if self.mesh is None else lora_shardings(jax.eval_shape(fresh), state, self.mesh, cfg.rules)
+            self.trainable = jax.jit(fresh, out_shardings=where)()
             self.tx = make_lora_optimizer(cfg.optim)
         else:
             self.params, self.trainable, self.tx = split_for_training(state, cfg.optim)
@@ -618,6 +617,8 @@ def abstract_train_step(model_config: ModelConfig, mesh, rules=None, *, optim: O
     if lora_rank:
         trainable = jax.eval_shape(lambda: init_lora(state, lora_targets(lora_experts), lora_rank, lora_alpha,
                                                      jax.random.key(0)))
+        trainable = jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), trainable,
+                                 lora_shardings(trainable, state, mesh, rules))
         params, tx = nnx.to_pure_dict(state), make_lora_optimizer(optim)
     else:
         params, trainable, tx = split_for_training(state, optim)

@@ -179,6 +179,10 @@ def test_compile_without_libtpu_says_what_to_install(monkeypatch, capsys):
     assert main(["compile", "--config", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'k31jax[tpu]'" in err
+    # --config takes a preset or a config.json; anything else is named in one line
+    assert main(["compile", "--config", "no/such/config.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--config 'no/such/config.json': no such config file" in err
 
 
 def _check_report(report: dict, step: str):
@@ -302,14 +306,18 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
 
 @needs_libtpu
 def test_k31jax_compile_train_step(tmp_path, capsys):
-    """The trainer's QAT step (float master experts, AdamW over the experts): it compiles, the
-    updated optimizer state and trained leaves are aliased, and the planner plans it."""
+    """The trainer's QAT step (float master experts, AdamW over the experts) of a model given by
+    its config.json: it compiles, the updated optimizer state and trained leaves are aliased,
+    and the planner plans it."""
     import json
+    from pathlib import Path
 
+    import k31jax
     from k31jax.cli import main
 
     out = tmp_path / "train.json"
-    assert main(["compile", "--config", "tiny", "--topology", "v5e:2x2", "--mesh", "expert=4", "--step", "train",
+    config = Path(k31jax.__file__).parent / "configs" / "tiny.json"
+    assert main(["compile", "--config", str(config), "--topology", "v5e:2x2", "--mesh", "expert=4", "--step", "train",
                  "--batch", "1", "--seq-len", "64", "--remat", "none", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     m, p = report["memory"], report["planner"]
@@ -510,6 +518,19 @@ def test_the_training_step_lets_the_compiler_lay_out_its_state_and_keeps_it(tmp_
     assert stacks, "no trained expert stack among the parameters"
     copies = [m.group(0) for m in re.finditer(r"= (bf16\[[\d,]+\])\{[^}]*\} copy\(", text) if m.group(1) in stacks]
     assert len(copies) <= 2, copies
+
+
+@needs_libtpu
+def test_the_planner_is_within_ten_percent_of_the_compiler_for_a_lora_step():
+    """A LoRA step on the packed base (rank-8 adapters on attention and the shared experts,
+    placed as `lora_shardings` places them): the planner's total (the frozen packed base, the
+    adapters and their moments, the activations with each adapted weight's merged copy and its
+    cotangent) against the compiler's buffers; the state comes back in the formats it went in."""
+    report = aot.compile_program(_tile_filling_config(), "v5p:2x2x1", "expert=2,tensor=2", step="train", batch=4,
+                                 context=256, train=aot.TrainSettings(master_dtype="bfloat16", seq_len=256,
+                                                                      lora_rank=8))
+    assert report.state_formats_changed == 0
+    assert 0.9 <= report.planner_ratio <= 1.1, report.table()
 
 
 @needs_libtpu

@@ -23,7 +23,8 @@ from k31jax.nn import abstract_model
 from k31jax.nn._ffn import LatentMoE
 from k31jax.ops import Backends
 from k31jax.sharding import activate, make_mesh, parse_mesh, rules_for_mesh
-from k31jax.train import OptimConfig, chunked_cross_entropy, make_optimizer, param_labels
+from k31jax.train import (OptimConfig, abstract_train_step, apply_lora, chunked_cross_entropy, init_lora,
+                          make_optimizer, param_labels)
 from k31jax.train._trainer import split_for_training
 
 F32 = 4
@@ -257,7 +258,7 @@ def _cli(*argv) -> str:
 def test_cli_prints_the_training_table(mesh):
     text = _cli("--mesh", mesh, "--trainable", "experts", "--device", "h200")
     plan = distributed.plan_training("k31_pro", mesh)
-    assert f"QAT fine-tune on {mesh}" in text and "AdamW moments, routed experts" in text
+    assert f"QAT fine-tune (trainable experts, adamw) on {mesh}" in text and "AdamW moments, routed experts" in text
     assert f"{plan.total:,}" in text and f"{plan.state['weights_experts']:,}" in text
     assert "-> does NOT fit" in text and "smallest mesh that fits" in text
     assert math.isclose(plan.total / 1e9, float(text.split(" GB per device of")[0].rsplit(" ", 1)[1]), rel_tol=1e-3)
@@ -275,3 +276,78 @@ def test_slices_add_the_gradient_shard_each_device_sends_between_them(capsys):
         distributed.plan_training("k31_pro", "expert=64,tensor=4", slices=2)
     assert main(["plan", "--train", "--config", "k31_pro", "--mesh", "expert=64,tensor=4", "--slices", "2"]) == 2
     assert "--slices 2: the --mesh data axis (1) must be a multiple of the slices" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- LoRA
+# ODD with MXFP4-packed routed experts (their widths are multiples of the 32-blocks)
+PACKED = dict(ODD, expert_weights="mxfp4")
+
+
+def _device_bytes(tree) -> int:
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("mesh", ["expert=2,tensor=2", "fsdp=2,expert=2,tensor=2"])
+@pytest.mark.parametrize("experts", [False, True])
+def test_lora_state_is_what_the_step_holds(mesh, experts):
+    """Per device: the frozen base, the adapters and their AdamW state, byte for byte the
+    arguments of the trainer's LoRA step (`abstract_train_step`, which places the adapters
+    as `lora_shardings` does)."""
+    cfg = ModelConfig.preset("tiny", **PACKED)
+    _, args = abstract_train_step(cfg, make_mesh(mesh), lora_rank=4, lora_experts=experts, micro_batch=4, seq_len=64)
+    params, opt_state, adapters = args[3:6]
+    plan = distributed.plan_training(cfg, mesh, lora_rank=4, lora_experts=experts, micro_batch=4, seq_len=64)
+    s = plan.state
+    assert plan.packed_experts and any(a.dtype == jnp.uint8 for a in jax.tree.leaves(params))
+    assert s["weights_experts"] + s["weights_rest"] == _device_bytes(params)
+    assert s["adapters"] == plan.gradients == _device_bytes(adapters) > 0
+    assert plan.optimizer_state == _device_bytes(opt_state)
+    assert any(a.sharding.spec != jax.sharding.PartitionSpec() for a in jax.tree.leaves(adapters))  # split
+    # adapters beside the routed experts: their slots in the base, and most of the adapters
+    assert (s["grads_experts"] > s["grads_rest"]) == experts
+
+
+@pytest.mark.parametrize("remat,within", [("full", 0.05), ("dots", 0.05), ("none", 0.12)])
+def test_lora_saved_activations_match_jax_residuals(remat, within):
+    """A LoRA loss (adapters on the defaults, the packed base frozen) saves what the QAT step
+    does plus each adapted weight's merged copy: the planner's saved terms against JAX's.
+    Without remat the planner counts the inputs of the packed experts' matmuls, which a frozen
+    packed weight does not need (no weight gradient): ~10% over at this size."""
+    cfg = _plan_train.lora_config(ModelConfig.preset("tiny", **PACKED), "float32", 4, False)
+    batch, seq = 1, 100
+    graphdef, state = nnx.split(abstract_model(cfg))
+    lora = jax.eval_shape(lambda: init_lora(state, distributed.DEFAULT_LORA_TARGETS, 4, 8.0, jax.random.key(0)))
+    params = nnx.to_pure_dict(state)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq)), jnp.int32)
+
+    def loss(p, adapters):
+        model = nnx.merge(graphdef, apply_lora(p, adapters))
+        hidden = model.hidden_states(tokens, remat=remat, backends=Backends(moe="ragged")).hidden
+        return chunked_cross_entropy(hidden, model.lm_head[...], tokens, jnp.ones((batch, seq)), vocab_chunk=128)[0]
+
+    measured = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, what in saved_residuals(loss, params, lora)
+                   if "from the argument" not in what)
+    plan = distributed.plan_training(cfg, {}, lora_rank=4, remat=remat, seq_len=seq, micro_batch=batch)
+    act = plan.activations
+    planned = plan.saved_activations + act["lora_merged"] + (act["fake_quant"] if remat == "none" else 0)
+    assert act["lora_merged"] > 0
+    if remat != "none":  # the merged copies are a share of it that the check would see missing
+        assert abs((planned - act["lora_merged"]) / measured - 1) > within
+    assert abs(planned / measured - 1) < within, (planned, measured)
+
+
+def test_lora_plan_table_and_refusals(capsys):
+    text = _cli("--mesh", "expert=8,tensor=8", "--lora-rank", "16", "--master-dtype", "bfloat16", "--seq-len", "512",
+                "--micro-batch", "8", "--device", "v5p")
+    plan = distributed.plan_training("k31_pro", "expert=8,tensor=8", lora_rank=16, master_dtype="bfloat16",
+                                     seq_len=512, micro_batch=8)
+    assert "LoRA fine-tune (rank 16" in text and "routed experts (packed MXFP4, frozen" in text
+    assert f"{plan.total:,}" in text and f"{plan.activations['lora_merged']:,}" in text
+    # the routed experts stay packed: a quarter-byte each plus the scales, not float masters
+    assert plan.state["weights_experts"] < ROUTED_PARAMS / 64 * 0.6
+    with pytest.raises(ValueError, match="optimizer='muon' with lora_rank=16"):
+        distributed.plan_training("k31_pro", "tensor=8", lora_rank=16, optimizer="muon")
+    with pytest.raises(ValueError, match="lora_experts=True with lora_rank=0"):
+        distributed.plan_training("k31_pro", "tensor=8", lora_experts=True)
+    assert main(["plan", "--config", "k31_pro", "--lora-rank", "4"]) == 2
+    assert "--lora-rank / --lora-experts apply with --train" in capsys.readouterr().err

@@ -16,7 +16,9 @@ from flax import nnx
 
 from helpers.paths import stdlib_corpus
 from helpers.processes import cli_env
+from k31jax.nn import abstract_model
 from k31jax.train import DataConfig, OptimConfig, TrainConfig, Trainer
+from k31jax.train._lora import lora_shardings
 from k31jax.train._steps import overlay
 
 K31JAX = Path(sys.executable).parent / "k31jax"
@@ -146,8 +148,13 @@ def test_only_the_selected_weights_train(tmp_path, corpus, kind):
                              env={**os.environ, _ISOLATED: kind}, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
         return
-    extra = dict(optim={"trainable": "experts"}) if kind == "experts" else dict(lora_rank=2)
+    # LoRA on a mesh: its adapters are made where the step takes them (`lora_shardings`)
+    extra = dict(optim={"trainable": "experts"}) if kind == "experts" else dict(lora_rank=2, mesh="expert=2,tensor=2")
     with Trainer(_train_cfg(tmp_path / kind, corpus, steps=2, **extra)) as trainer:
+        if kind == "lora":
+            want = lora_shardings(trainer.trainable, nnx.state(abstract_model(trainer.model_config)), trainer.mesh)
+            assert all(a.sharding == s for a, s in zip(jax.tree.leaves(trainer.trainable), jax.tree.leaves(want)))
+            assert any(a.sharding.spec != jax.P() for a in jax.tree.leaves(trainer.trainable))
         _check_only_selected_weights_train(trainer, kind)
 
 
