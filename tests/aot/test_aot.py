@@ -307,8 +307,8 @@ def test_decode_with_the_pallas_tpu_kernel_reads_the_expert_stacks_in_place(tmp_
 @needs_libtpu
 def test_k31jax_compile_train_step(tmp_path, capsys):
     """The trainer's QAT step (float master experts, AdamW over the experts) of a model given by
-    its config.json: it compiles, the updated optimizer state and trained leaves are aliased,
-    and the planner plans it."""
+    a config.json (`tiny` cut to 4 layers, KDA and MLA twice): it compiles, the updated
+    optimizer state and trained leaves are aliased, and the planner plans it."""
     import json
     from pathlib import Path
 
@@ -316,7 +316,11 @@ def test_k31jax_compile_train_step(tmp_path, capsys):
     from k31jax.cli import main
 
     out = tmp_path / "train.json"
-    config = Path(k31jax.__file__).parent / "configs" / "tiny.json"
+    raw = json.loads((Path(k31jax.__file__).parent / "configs" / "tiny.json").read_text())
+    raw["text_config"]["num_hidden_layers"] = 4
+    raw["text_config"]["linear_attn_config"].update(full_attn_layers=[2, 4], kda_layers=[1, 3])
+    config = tmp_path / "tiny4.json"
+    config.write_text(json.dumps(raw))
     assert main(["compile", "--config", str(config), "--topology", "v5e:2x2", "--mesh", "expert=4", "--step", "train",
                  "--batch", "1", "--seq-len", "64", "--remat", "none", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -325,7 +329,7 @@ def test_k31jax_compile_train_step(tmp_path, capsys):
     assert p["donated"] > p["updated"] > 0 and m["aliased"] >= p["updated"]
     assert m["arguments"] >= p["donated"] + p["inputs"]
     assert p["total"] > p["donated"]  # the planner's full plan: state plus activations
-    assert report["hlo"]["flops"] > 0 and "train of tiny" in capsys.readouterr().out
+    assert report["hlo"]["flops"] > 0 and "train of tiny4" in capsys.readouterr().out
     assert report["slices"] == 1 and report["hlo"]["cross_slice"] == {}  # one slice: nothing crosses
 
 
