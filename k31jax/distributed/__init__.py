@@ -27,11 +27,11 @@ from ._placement import (abstract_cache, abstract_state, cache_shardings, cache_
                          state_shardings, state_specs)
 from ._plan import DEVICES, GB, MemoryPlan, plan_memory, suggest_mesh
 from ._plan_train import (DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, MASTER_DTYPES, OPTIMIZERS, TRAINABLE_SETS,
-                          TrainingMemoryPlan, is_trained, lora_targets, plan_training, suggest_training_mesh)
+                          TrainingMemoryPlan, is_trained, lora_factor_axes, lora_targets, plan_training, suggest_training_mesh)
 
 __all__ = [
     "DEFAULT_LORA_TARGETS", "DEVICES", "EXPERT_LORA_TARGET", "GB", "MASTER_DTYPES", "MemoryPlan", "OPTIMIZERS", "PeerWatch", "TRAINABLE_SETS", "TrainingMemoryPlan", "abstract_cache", "abstract_state", "any_process", "backends_started", "barrier", "cache_shardings",
-    "cache_specs", "describe", "gather_json", "host_copy", "init_sharded", "init_sharded_cache", "initialize", "is_primary", "is_trained", "load_sharded", "logical_axes", "lora_targets",
+    "cache_specs", "describe", "gather_json", "host_copy", "init_sharded", "init_sharded_cache", "initialize", "is_primary", "is_trained", "load_sharded", "logical_axes", "lora_factor_axes", "lora_targets",
     "peer_failure", "plan_memory", "plan_training", "restore_targets", "shard_cache", "shard_model", "state_shardings", "state_specs",
     "suggest_mesh", "suggest_training_mesh", "tune_host_malloc", "watch_peers",
 ]

@@ -100,6 +100,13 @@ EXPERT_LORA_TARGET = r"moe/w_(gate|up|down)"
 _ADAPTER_SLOTS = re.compile(r"(.*)/adapter_([ab])")  # packed experts' slots (`nn.with_expert_adapters`)
 
 
+def lora_factor_axes(weight_axes: tuple) -> tuple[tuple, tuple]:
+    """The logical axes of a LoRA weight's factors, `A [..., n, r]` and `B [..., r, m]`: the
+    weight's leading and input axes, and its leading and output axes; the rank axis whole.
+    `k31jax.train.lora_shardings` places the adapters by it and the planner counts them by it."""
+    return (*weight_axes[:-1], None), (*weight_axes[:-2], None, weight_axes[-1])
+
+
 def lora_targets(experts: bool) -> tuple[str, ...]:
     """The adapted weights of a LoRA run (`experts`: the routed experts too)."""
     return DEFAULT_LORA_TARGETS + ((EXPERT_LORA_TARGET,) if experts else ())
@@ -176,8 +183,7 @@ def lora_bytes(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules, ra
             factors = [(shape, names)]
             part = "experts"
         elif any(p.fullmatch(name) for p in patterns) and jnp.issubdtype(dtype, jnp.floating) and len(shape) >= 2:
-            factors = [((*shape[:-1], rank), (*names[:-1], None)),
-                       ((*shape[:-2], rank, shape[-1]), (*names[:-2], None, names[-1]))]
+            factors = list(zip(((*shape[:-1], rank), (*shape[:-2], rank, shape[-1])), lora_factor_axes(names)))
         else:
             continue
         out["merged"] += n

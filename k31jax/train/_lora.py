@@ -50,9 +50,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..ckpt import ShardWriter, load_tensor, read_header
-from ..distributed import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET
-from ..sharding import current_rules, get_rules, logical_to_spec
+from ..distributed import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, logical_axes, lora_factor_axes
 from ..nn import with_expert_adapters
+from ..sharding import current_rules, get_rules, logical_to_spec
 from ._optim import map_by_path
 
 # The targets' table lives with the training planner (`distributed.DEFAULT_LORA_TARGETS`), which
@@ -149,22 +149,13 @@ def lora_shardings(lora: LoraState, params_state, mesh, rules=None) -> LoraState
     of them is the planner's (`distributed.plan_training(lora_rank=...)`), not whatever the
     compiler would choose for unplaced ones."""
     names: dict[str, tuple] = {}
-
-    def record(path, v):
-        value = _value(v)
-        axes = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
-        names[path] = tuple(axes) if axes is not None else (None,) * len(value.shape)
-
-    map_by_path(record, params_state)
+    map_by_path(lambda path, v: names.setdefault(path, _value(v)), logical_axes(params_state))
     shape = dict(mesh.shape)
     rules = get_rules(rules) or current_rules(shape)
 
     def placed(path, factor, part):
-        if path + (_SLOT_A if part == "a" else _SLOT_B) in names:
-            axes = names[path + (_SLOT_A if part == "a" else _SLOT_B)]
-        else:
-            w = names[path]
-            axes = (*w[:-1], None) if part == "a" else (*w[:-2], None, w[-1])
+        slot = path + (_SLOT_A if part == "a" else _SLOT_B)
+        axes = names[slot] if slot in names else lora_factor_axes(names[path])[part == "b"]
         return NamedSharding(mesh, P(*logical_to_spec(axes, factor.shape, shape, rules)))
 
     return LoraState(a={p: placed(p, x, "a") for p, x in lora.a.items()},

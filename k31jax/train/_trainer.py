@@ -44,7 +44,7 @@ from ..sharding import activate, logical_to_spec, make_mesh, parse_mesh
 from ._config import TrainConfig
 from ._data import DataConfig, HoldoutSplit, ShardedIterator, holdout_split, make_dataset, resolved_holdout
 from ._distill import distill_setup, distill_step, indexer_recall, with_index_topk
-from ._lora import apply_lora, lora_shardings, init_lora, routed_expert_digest, save_adapter
+from ._lora import apply_lora, init_lora, lora_shardings, routed_expert_digest, save_adapter
 from ._metrics import MetricsLog, compiling_note
 from ._optim import (FROZEN, OptimConfig, learning_rate_schedule, make_lora_optimizer, make_optimizer, map_by_path,
                      param_labels)
